@@ -1,0 +1,15 @@
+"""tandem: lossless speculative decoding for PyTorch."""
+
+from tandem.config import SamplingParams, SpecConfig, EngineConfig  # noqa: F401
+
+__all__ = ["LLM", "SamplingParams", "SpecConfig", "EngineConfig"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The engine pulls in the model stack; keep `import tandem` light until it is needed.
+    if name == "LLM":
+        from tandem.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,103 @@
+"""Frozen configuration records, validated at construction so bad values fail early and clearly.
+
+Values discovered at run time (a model's vocabulary, a measured cost curve) are returned by the
+code that finds them, never written back into these records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+QUANTIZATIONS = ("auto", "none", "native", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens and when it stops (vLLM-shaped).
+
+    temperature 0 means greedy. top_k 0 / top_p 1 / min_p 0 / repetition_penalty 1 disable
+    their filters. The processed distribution these define is what plain sampling draws from and
+    what the verifier compares drafts against.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 128
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings; names follow SGLang's launch flags."""
+
+    algorithm: str | None = None
+    num_draft_tokens: int = 4
+    draft_model_path: str | None = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if not (1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}..{self.ngram_max}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Where and how the target runs."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    device: str = "cpu"
+    quantization: str = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 8
+    threads: int | None = None
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES + ("auto",):
+            raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.max_model_len < 16:
+            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

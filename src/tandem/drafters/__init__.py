@@ -1,0 +1,14 @@
+"""Drafters: every drafting method behind one interface, resolved by name in one registry."""
+
+from tandem.drafters.base import (  # noqa: F401
+    Drafter,
+    DrafterNeeds,
+    DraftInput,
+    DraftOutcome,
+    TargetInfo,
+    available_drafters,
+    create_drafter,
+    register,
+)
+
+# One import line per drafting method (each module registers itself).

@@ -1,0 +1,116 @@
+"""The Drafter interface and the registry that maps method names to drafter classes.
+
+Adding a drafting method = one file with a `@register("name")` class + one import line in
+`tandem/drafters/__init__.py` + one test file.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tandem.config import SamplingParams, SpecConfig
+from tandem.types import Draft
+
+
+@dataclass(frozen=True)
+class DrafterNeeds:
+    """What a drafter needs from the target's verification forward, declared as data.
+
+    hidden_layers: indices of target layers whose output hidden states the drafter reads
+    (i in [0, L) = output of decoder layer i; L = the final normed hidden state).
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """Facts about the target a drafter may check at construction (vocab, tokenizer, device)."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any = None
+    device: str = "cpu"
+    model_name: str = ""
+
+
+@dataclass
+class DraftInput:
+    """One request's state when the drafter is asked for a draft.
+
+    token_ids: prompt + every committed output token; the last one is the token the next target
+    forward starts from. max_draft_tokens: this round's budget from the scheduler (>= 1).
+    hidden: hidden states of the declared layers for the tokens committed in the previous round
+    ({layer: [n, H]}), empty when the drafter declared none.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_draft_tokens: int
+    params: SamplingParams
+    generator: torch.Generator
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class DraftOutcome:
+    """What happened to a request's draft: fed back to the drafter through `observe`.
+
+    committed: the tokens appended this round (accepted drafts + the recovered/bonus token).
+    """
+
+    request_id: str
+    num_drafted: int
+    num_accepted: int
+    committed: list[int]
+
+
+class Drafter(ABC):
+    """Proposes draft tokens; the engine verifies them against the target."""
+
+    needs: DrafterNeeds = DrafterNeeds()
+
+    def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
+        self.spec = spec
+        self.target = target
+
+    @abstractmethod
+    def propose(self, batch: list[DraftInput]) -> list[Draft]:
+        """One Draft per input, at most `max_draft_tokens` long (empty drafts are allowed)."""
+
+    def observe(self, outcomes: list[DraftOutcome]) -> None:
+        """Update drafter state (suffix trees, own KV cache) after verification."""
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was aborted: drop its state."""
+
+
+_REGISTRY: dict[str, type[Drafter]] = {}
+
+
+def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    def wrap(cls: type[Drafter]) -> type[Drafter]:
+        if name in _REGISTRY:
+            raise ValueError(f"drafter {name!r} registered twice")
+        _REGISTRY[name] = cls
+        cls.method_name = name
+        return cls
+
+    return wrap
+
+
+def available_drafters() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_drafter(spec: SpecConfig, target: TargetInfo) -> Drafter:
+    if spec.algorithm not in _REGISTRY:
+        raise ValueError(
+            f"unknown speculative algorithm {spec.algorithm!r}; available: {', '.join(available_drafters())}"
+        )
+    return _REGISTRY[spec.algorithm](spec, target)

@@ -1,0 +1,1 @@
+"""Model layer: lean architectures, KV cache, runner and loaders."""

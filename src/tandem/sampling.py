@@ -1,0 +1,79 @@
+"""Logits -> processed probability vectors, and seeded draws from them.
+
+The processed vector is exactly what plain sampling draws from; the verifier compares drafts
+against the same vectors (ALGORITHMS.md section 1). Order: repetition penalty, temperature,
+top-k, top-p, min-p, then renormalise, all in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import SamplingParams
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The target produced NaN/inf logits for a request: it is ended, never turned into token ids."""
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty on tokens already present: positive logits divided, negative multiplied."""
+    if penalty == 1.0 or seen_ids.numel() == 0:
+        return logits
+    logits = logits.clone()
+    picked = logits[..., seen_ids]
+    logits[..., seen_ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def processed_probs(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seen_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[N, V] logits -> [N, V] fp32 probabilities that plain sampling draws from.
+
+    Greedy (temperature 0) gives the one-hot vector of the argmax.
+    """
+    logits = logits.float()
+    if not torch.isfinite(logits).all(dim=-1).all():
+        raise NonFiniteLogitsError("the model produced NaN or inf logits")
+    if seen_ids is not None:
+        logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    if params.greedy:
+        probs = torch.zeros_like(logits)
+        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return probs
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
+        # strictly before it already reaches top_p (so the most likely token always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A per-request generator: a fixed seed reproduces the request, None draws a fresh seed."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of [N, V] probabilities -> [N] token ids."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,1 @@
+"""Verification rules: pure tensor functions, no model and no state."""
