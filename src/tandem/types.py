@@ -34,6 +34,14 @@ class Draft:
     def empty(cls) -> "Draft":
         return cls(token_ids=[])
 
+    def truncated(self, k: int) -> "Draft":
+        """The first k nodes (a drafter may propose more than this round's budget)."""
+        if len(self.token_ids) <= k:
+            return self
+        probs = self.probs[:k] if self.probs is not None else None
+        parents = self.parents[:k] if self.parents is not None else None
+        return Draft(self.token_ids[:k], probs, parents)
+
 
 @dataclass
 class VerifyResult:

@@ -1,0 +1,254 @@
+"""The engine's hot loop: schedule -> propose -> verify-forward -> verify -> commit -> emit.
+
+Plain decoding is the same loop with empty drafts (the verifier then only samples from p_1), so
+speculative and plain output share every line that decides what is emitted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.drafters import DraftInput, DraftOutcome, Drafter, TargetInfo, create_drafter
+from tandem.engine.request import Request
+from tandem.model.kv_cache import KVCache
+from tandem.model.loader import LoadedModel
+from tandem.model.runner import ModelRunner, SeqInput
+from tandem.sampling import NonFiniteLogitsError, make_generator, processed_probs, sample
+from tandem.types import Draft, SpecStats
+from tandem.verify.chain import verify_chain
+
+log = logging.getLogger("tandem.engine")
+
+POOR_DRAFTER_TAU = 2.0
+LOG_EVERY_S = 10.0
+
+
+@dataclass
+class StepUpdate:
+    """What one step did to one request: new tokens and text to stream, and whether it ended."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_text: str
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        cfg = loaded.config
+        self.cache = KVCache(cfg, config.max_num_seqs, config.max_model_len, loaded.dtype, config.device)
+        self.runner = ModelRunner(loaded.model, self.cache)
+        self.eos_ids = frozenset(cfg.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self.drafter: Drafter | None = None
+        if config.spec.algorithm:
+            target = TargetInfo(cfg.vocab_size, tuple(self.eos_ids), self.tokenizer, config.device, loaded.name)
+            self.drafter = create_drafter(config.spec, target)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SpecStats()
+        self._ids = itertools.count()
+        self._last_log = time.perf_counter()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        budget = self.config.max_model_len - len(prompt_ids)
+        if budget < 1:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_model_len}"
+            )
+        if params.max_tokens > budget:
+            params = _replace(params, max_tokens=budget)
+        req = Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=list(prompt_ids),
+            params=params,
+            generator=make_generator(params.seed, "cpu"),
+            eos_ids=self.eos_ids,
+        )
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.finish_reason = "abort"
+        for req in list(self.running):
+            if req.request_id == request_id:
+                req.finish_reason = "abort"
+                self._retire(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepUpdate]:
+        """Prefill newly admitted requests, or run one speculative round for the running ones."""
+        admitted = self._admit()
+        updates = self._prefill(admitted) if admitted else self._decode_round()
+        for u in updates:
+            if u.request.finished:
+                self._retire(u.request)
+        self._maybe_log()
+        return updates
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and self.cache.num_free:
+            req = self.waiting.popleft()
+            req.seq = self.cache.allocate()
+            admitted.append(req)
+        return admitted
+
+    def _prefill(self, batch: list[Request]) -> list[StepUpdate]:
+        needs = self.drafter.needs.hidden_layers if self.drafter else ()
+        out = self.runner.forward([SeqInput(r.seq, r.prompt_ids, logits="last") for r in batch], needs)
+        updates = []
+        for b, req in enumerate(batch):
+            try:
+                token = self._sample_one(out.rows(b), req)
+            except NonFiniteLogitsError as err:
+                updates.append(self._fail(req, err))
+                continue
+            req.hidden = {layer: h[b] for layer, h in out.hidden.items()}
+            updates.append(self._commit(req, [token], drafted=0, accepted=0))
+        return updates
+
+    def _decode_round(self) -> list[StepUpdate]:
+        batch = list(self.running)
+        if not batch:
+            return []
+        drafts = self._propose(batch)
+        inputs = [
+            SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all") for r, d in zip(batch, drafts)
+        ]
+        needs = self.drafter.needs.hidden_layers if self.drafter else ()
+        out = self.runner.forward(inputs, needs)
+        updates, outcomes = [], []
+        for b, (req, draft) in enumerate(zip(batch, drafts)):
+            try:
+                tokens, accepted = self._grade(out.rows(b), req, draft)
+            except NonFiniteLogitsError as err:
+                updates.append(self._fail(req, err))
+                continue
+            # Keep the KV of next_token + accepted drafts; the recovered/bonus token is the next input.
+            self.cache.truncate(req.seq, self.cache.last_start[req.seq] + 1 + accepted)
+            req.hidden = {layer: h[b][: accepted + 1] for layer, h in out.hidden.items()}
+            updates.append(self._commit(req, tokens, drafted=len(draft), accepted=accepted))
+            outcomes.append(DraftOutcome(req.request_id, len(draft), accepted, tokens))
+        if self.drafter is not None:
+            self.drafter.observe(outcomes)
+        return updates
+
+    def _propose(self, batch: list[Request]) -> list[Draft]:
+        if self.drafter is None:
+            return [Draft.empty() for _ in batch]
+        inputs, rows = [], []
+        for i, req in enumerate(batch):
+            k = self._draft_budget(req)
+            if k > 0:
+                rows.append(i)
+                inputs.append(
+                    DraftInput(req.request_id, req.context, len(req.prompt_ids), k, req.params, req.generator, req.hidden)
+                )
+        drafts = [Draft.empty() for _ in batch]
+        proposed = self.drafter.propose(inputs) if inputs else []
+        for i, inp, draft in zip(rows, inputs, proposed):
+            drafts[i] = draft.truncated(inp.max_draft_tokens)
+        return drafts
+
+    def _draft_budget(self, req: Request) -> int:
+        """Draft tokens this request may use this round: the configured k, never past its
+        max_tokens (the bonus token is free) or the cache's end."""
+        remaining = req.params.max_tokens - len(req.output_ids) - 1
+        room = self.config.max_model_len - self.cache.lengths[req.seq] - 1
+        return max(0, min(self.config.spec.num_draft_tokens, remaining, room))
+
+    def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
+        if req.params.greedy and req.params.repetition_penalty == 1.0:
+            if not torch.isfinite(logits).all():
+                raise NonFiniteLogitsError("the model produced NaN or inf logits")
+            return int(logits[-1].argmax())
+        probs = processed_probs(logits[-1:], req.params, self._seen(req))
+        return int(sample(probs, req.generator)[0])
+
+    def _grade(self, logits: torch.Tensor, req: Request, draft: Draft) -> tuple[list[int], int]:
+        """Target logits [k+1, V] for [next_token, d_1..d_k] -> committed tokens, accepted count."""
+        if not draft.token_ids:
+            return [self._sample_one(logits, req)], 0
+        probs = processed_probs(logits, req.params, self._seen(req))
+        result = verify_chain(
+            probs.unsqueeze(0),
+            torch.tensor([draft.token_ids]),
+            [draft.probs],
+            torch.tensor([len(draft)]),
+            [req.generator],
+            [req.params.greedy],
+        )
+        return result.committed(0), int(result.num_accepted[0])
+
+    def _seen(self, req: Request) -> torch.Tensor | None:
+        if req.params.repetition_penalty == 1.0:
+            return None
+        return torch.tensor(sorted(set(req.context)), dtype=torch.long)
+
+    def _commit(self, req: Request, tokens: list[int], drafted: int, accepted: int) -> StepUpdate:
+        kept = req.append(tokens, self.tokenizer)
+        req.next_token = tokens[kept - 1] if kept else req.next_token
+        req.stats.record_round(drafted, min(accepted, kept), kept)
+        self.stats.record_round(drafted, min(accepted, kept), kept)
+        if req not in self.running and not req.finished:
+            self.running.append(req)
+        return StepUpdate(req, tokens[:kept], req.take_new_text())
+
+    def _fail(self, req: Request, err: Exception) -> StepUpdate:
+        log.error("request %s ended: %s", req.request_id, err)
+        req.finish_reason = "error"
+        return StepUpdate(req, [], "")
+
+    def _retire(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.seq is not None:
+            self.cache.release(req.seq)
+            req.seq = None
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
+
+    def _maybe_log(self) -> None:
+        now = time.perf_counter()
+        if self.drafter is None or now - self._last_log < LOG_EVERY_S or not self.stats.num_drafts:
+            return
+        self._last_log = now
+        s = self.stats
+        log.info(
+            "spec %s: acceptance rate %.2f, mean acceptance length (tau) %.2f over %d drafts",
+            self.config.spec.algorithm, s.acceptance_rate, s.mean_acceptance_length, s.num_drafts,
+        )
+        if s.num_drafts >= 20 and s.mean_acceptance_length < POOR_DRAFTER_TAU:
+            log.warning(
+                "tau %.2f < %.1f: the drafter %r is a poor match for this target; swap the drafter "
+                "rather than raising the number of draft tokens",
+                s.mean_acceptance_length, POOR_DRAFTER_TAU, self.config.spec.algorithm,
+            )
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, **changes)

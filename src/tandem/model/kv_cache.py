@@ -1,0 +1,91 @@
+"""Preallocated, position-indexed KV cache: one row per sequence, one slot per committed token.
+
+Rejecting drafts means not keeping their slots (`truncate`); accepting a tree path gathers its
+nodes' rows into contiguous slots (`commit_path`). Nothing is reallocated while decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.model.arch import ModelConfig
+from tandem.model.transformer import LayerCache
+
+
+class CacheFullError(RuntimeError):
+    pass
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_seqs: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        shape = (cfg.num_layers, max_seqs, cfg.num_kv_heads, max_len, cfg.head_dim)
+        # Layout [L, S, Hkv, M, D]: a sequence's keys for one layer are a contiguous [Hkv, M, D]
+        # block, so a batch-1 read is a view and attention needs no gather.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [LayerCache(self.k[i], self.v[i]) for i in range(cfg.num_layers)]
+        # Position of the token stored in each slot: equal to the slot index for committed
+        # tokens, the tree depth position for uncommitted tree nodes (sliding windows need it).
+        self.slot_positions = torch.zeros(max_seqs, max_len, dtype=torch.long, device=device)
+        self.max_seqs = max_seqs
+        self.max_len = max_len
+        self.lengths = [0] * max_seqs
+        self.last_start = [0] * max_seqs
+        self._free = list(range(max_seqs - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFullError(f"all {self.max_seqs} cache rows are in use")
+        seq = self._free.pop()
+        self.lengths[seq] = 0
+        self.last_start[seq] = 0
+        return seq
+
+    def release(self, seq: int) -> None:
+        if seq in self._free:
+            raise ValueError(f"cache row {seq} released twice")
+        self.lengths[seq] = 0
+        self._free.append(seq)
+
+    def reserve(self, seq: int, num_new: int) -> int:
+        """Claim the next `num_new` slots of `seq` for a forward; returns the first slot."""
+        start = self.lengths[seq]
+        if start + num_new > self.max_len:
+            raise CacheFullError(f"sequence needs {start + num_new} slots; max_model_len is {self.max_len}")
+        self.last_start[seq] = start
+        self.lengths[seq] = start + num_new
+        return start
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep the first `length` slots of `seq` (drops rejected draft tokens)."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot truncate sequence of length {self.lengths[seq]} to {length}")
+        self.lengths[seq] = length
+
+    def commit_path(self, seq: int, node_indices: list[int]) -> None:
+        """Keep the tree nodes `node_indices` (indices among the last forward's new tokens, root
+        first) as the contiguous continuation of the committed prefix.
+
+        Example: the last forward wrote nodes 0..6 at slots 40..46 and the path 0 -> 2 -> 5 is
+        accepted: slots 40, 42, 45 are copied to 40, 41, 42 and the length becomes 43.
+        """
+        base = self.last_start[seq]
+        if any(not 0 <= i < self.lengths[seq] - base for i in node_indices):
+            raise ValueError(f"node indices {node_indices} outside the last forward of sequence {seq}")
+        src = torch.tensor([base + i for i in node_indices], dtype=torch.long, device=self.k.device)
+        dst = slice(base, base + len(node_indices))
+        self.k[:, seq, :, dst] = self.k[:, seq, :, src]
+        self.v[:, seq, :, dst] = self.v[:, seq, :, src]
+        self.slot_positions[seq, dst] = torch.arange(base, base + len(node_indices), device=self.k.device)
+        self.lengths[seq] = base + len(node_indices)

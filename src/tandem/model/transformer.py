@@ -1,0 +1,224 @@
+"""The lean decoder shared by every supported architecture (Llama family and Gemma 3).
+
+Weights arrive through a WeightSource (HF safetensors, native GGUF blocks, ...), which decides how
+each linear is stored (dense, int8, int4); the decoder only calls them. Attention reads and writes
+the preallocated KV cache through an AttentionPlan built once per forward by the runner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.model.arch import ModelConfig
+
+
+class WeightSource(Protocol):
+    """Hands out a model's weights by Hugging Face parameter name."""
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A float tensor (norm weights, embeddings)."""
+
+    def linear(self, names: list[str], bias: bool) -> nn.Module:
+        """One linear layer whose output rows are the named weights stacked in order (fusion)."""
+
+    def has(self, name: str) -> bool: ...
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        # Llama 3.1 frequency-dependent scaling: long wavelengths slowed by `factor`, short ones
+        # kept, a smooth blend in between.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > old_len / low, inv / factor, inv)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, blended, out)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        # Gemma stores w and multiplies by (1 + w); fold the offset in once at load.
+        self.weight = nn.Parameter((weight.float() + offset).to(dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+@dataclass
+class LayerCache:
+    """Views of one layer's K/V cache: [S, Hkv, M, D] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class AttentionPlan:
+    """Per-forward attention structure, shared by all layers (built once by the runner).
+
+    write_seq / write_slot: flat [N] cache coordinates of the N valid new tokens; write_fast is
+    (seq, start) when B = 1 so the write is a plain slice. read_seqs: [B] cache rows to attend to,
+    read_len: number of slots read. masks[window]: [B, 1, T, read_len] bool or None (no mask).
+    cos/sin[rope_index]: [B, T, D].
+    """
+
+    write_seq: torch.Tensor
+    write_slot: torch.Tensor
+    valid: torch.Tensor | None  # [B, T] bool, None when no padding
+    write_fast: tuple[int, int] | None
+    read_seqs: torch.Tensor
+    read_fast: int | None
+    read_len: int
+    masks: dict[int | None, torch.Tensor | None]
+    cos: list[torch.Tensor] = field(default_factory=list)
+    sin: list[torch.Tensor] = field(default_factory=list)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, src: WeightSource, dtype: torch.dtype) -> None:
+        super().__init__()
+        p = f"model.layers.{index}."
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        self.cfg = cfg
+        self.window = cfg.layer_windows[index]
+        self.rope = cfg.layer_rope[index]
+        self.attn_norm = RMSNorm(src.tensor(p + "input_layernorm.weight"), eps, off, dtype)
+        attn = p + "self_attn."
+        self.qkv = src.linear([attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"], cfg.qkv_bias)
+        self.o = src.linear([attn + "o_proj.weight"], False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(src.tensor(attn + "q_norm.weight"), eps, off, dtype)
+            self.k_norm = RMSNorm(src.tensor(attn + "k_norm.weight"), eps, off, dtype)
+        if cfg.sandwich_norms:
+            self.post_attn_norm = RMSNorm(src.tensor(p + "post_attention_layernorm.weight"), eps, off, dtype)
+            self.mlp_norm = RMSNorm(src.tensor(p + "pre_feedforward_layernorm.weight"), eps, off, dtype)
+            self.post_mlp_norm = RMSNorm(src.tensor(p + "post_feedforward_layernorm.weight"), eps, off, dtype)
+        else:
+            self.mlp_norm = RMSNorm(src.tensor(p + "post_attention_layernorm.weight"), eps, off, dtype)
+        mlp = p + "mlp."
+        self.gate_up = src.linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"], False)
+        self.down = src.linear([mlp + "down_proj.weight"], False)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: LayerCache) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        h = self.attn_norm(x)
+        qkv = self.qkv(h).to(x.dtype)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos = plan.cos[self.rope].unsqueeze(2)  # [B, T, 1, D]
+        sin = plan.sin[self.rope].unsqueeze(2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if plan.write_fast is not None:
+            seq, start = plan.write_fast
+            cache.k[seq, :, start : start + T] = k[0].transpose(0, 1)
+            cache.v[seq, :, start : start + T] = v[0].transpose(0, 1)
+        else:
+            valid = plan.valid
+            kf = k[valid] if valid is not None else k.reshape(B * T, cfg.num_kv_heads, cfg.head_dim)
+            vf = v[valid] if valid is not None else v.reshape(B * T, cfg.num_kv_heads, cfg.head_dim)
+            cache.k[plan.write_seq, :, plan.write_slot] = kf
+            cache.v[plan.write_seq, :, plan.write_slot] = vf
+        if plan.read_fast is not None:
+            s = plan.read_fast
+            keys = cache.k[s : s + 1, :, : plan.read_len]
+            values = cache.v[s : s + 1, :, : plan.read_len]
+        else:
+            keys = cache.k[plan.read_seqs, :, : plan.read_len]
+            values = cache.v[plan.read_seqs, :, : plan.read_len]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=plan.masks[self.window],
+            scale=cfg.attn_scale,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )
+        attn = self.o(attn.transpose(1, 2).reshape(B, T, self.q_size)).to(x.dtype)
+        if cfg.sandwich_norms:
+            attn = self.post_attn_norm(attn)
+        x = x + attn
+        h = self.mlp_norm(x)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        act = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
+        mlp = self.down(act * up).to(x.dtype)
+        if cfg.sandwich_norms:
+            mlp = self.post_mlp_norm(mlp)
+        return x + mlp
+
+
+class TransformerLM(nn.Module):
+    """Embedding -> decoder layers -> final norm -> LM head, on a caller-provided KV cache."""
+
+    def __init__(self, cfg: ModelConfig, src: WeightSource, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        embed = src.tensor("model.embed_tokens.weight")
+        self.embed = nn.Parameter(embed.to(dtype), requires_grad=False)
+        # HF casts the scale to the embedding dtype before multiplying; do the same for identity.
+        self.embed_scale = (
+            float(torch.tensor(cfg.embed_scale, dtype=dtype)) if cfg.embed_scale is not None else None
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, src, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(src.tensor("model.norm.weight"), cfg.rms_norm_eps, cfg.norm_offset, dtype)
+        head = "lm_head.weight" if not cfg.tie_word_embeddings and src.has("lm_head.weight") else "model.embed_tokens.weight"
+        self.lm_head = src.linear([head], False)
+        tables = [rope_inv_freq(cfg.head_dim, theta, scaling) for theta, scaling in cfg.rope_tables]
+        self.inv_freq = [t.float() for t in tables]
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(token_ids, self.embed)
+        return x * self.embed_scale if self.embed_scale is not None else x
+
+    def build_rope_tables(self, max_positions: int) -> None:
+        """Precompute cos/sin [P, D] per rope table (fp32 math as in HF, then cast once)."""
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        self.cos_tables, self.sin_tables = [], []
+        for inv in self.inv_freq:
+            freqs = positions.unsqueeze(-1) * inv
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos_tables.append(emb.cos().to(self.dtype))
+            self.sin_tables.append(emb.sin().to(self.dtype))
+
+    def rope(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """cos/sin [B, T, D] per rope table for integer positions [B, T]."""
+        return [t[positions] for t in self.cos_tables], [t[positions] for t in self.sin_tables]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final-layer hidden states (before the final norm) -> [N, V] fp32 logits."""
+        out = self.lm_head(self.norm(hidden)).float()
+        if self.cfg.final_logit_softcap:
+            cap = self.cfg.final_logit_softcap
+            out = torch.tanh(out / cap) * cap
+        return out

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random-weight models (HF reference + tandem's lean copy) and a toy tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
+
+
+def tiny_hf_config(arch: str, **overrides):
+    """A small config of the given architecture (the shapes real models have, shrunk)."""
+    import transformers as tf
+
+    common = dict(TINY, num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, bos_token_id=1)
+    common.update(overrides)
+    if arch == "llama":
+        return tf.LlamaConfig(**common, tie_word_embeddings=True)
+    if arch == "llama3_scaled":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        return tf.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=6, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=False)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=24, tie_word_embeddings=True)
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=20, sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        )
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "llama3_scaled", "mistral", "qwen2", "qwen3", "gemma3"]
+
+
+def build_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """(HF reference model, tandem TransformerLM) with identical random weights."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.model.arch import model_config_from_hf
+    from tandem.model.loader import StateDictSource
+    from tandem.model.transformer import TransformerLM
+
+    torch.manual_seed(seed)
+    hf_cfg = tiny_hf_config(arch, **overrides)
+    hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            # Random norms too, so a wrong (1 + w) offset or a missing norm cannot hide.
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.08))
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    cfg = model_config_from_hf(hf_cfg.to_dict())
+    ours = TransformerLM(cfg, StateDictSource(state, "none", dtype), dtype).eval()
+    return hf, ours
+
+
+class ToyTokenizer:
+    """Enough of a tokenizer for the engine on tiny models: ids <-> space-separated numbers."""
+
+    eos_token_id = 2
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids if not (skip_special_tokens and i == self.eos_token_id))
+
+
+@pytest.fixture
+def toy_tokenizer():
+    return ToyTokenizer()
+
+
+def tiny_loaded(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A LoadedModel around a tiny random model, for engine-level tests."""
+    from tandem.model.loader import LoadedModel
+
+    hf, ours = build_tiny(arch, seed, dtype)
+    return hf, LoadedModel(ours, ToyTokenizer(), ours.cfg, f"tiny-{arch}", dtype, "none")
