@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -82,8 +83,9 @@ def toy_tokenizer():
     return ToyTokenizer()
 
 
+@functools.lru_cache(maxsize=None)
 def tiny_loaded(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A LoadedModel around a tiny random model, for engine-level tests."""
+    """A LoadedModel around a tiny random model, for engine-level tests (shared: read-only)."""
     from tandem.model.loader import LoadedModel
 
     hf, ours = build_tiny(arch, seed, dtype)

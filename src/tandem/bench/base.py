@@ -1,0 +1,256 @@
+"""`tandem bench base`: plain decoding speed of every configuration side by side, in one run.
+
+Rows: tandem at each dtype/quantization, transformers `generate` (fp32, its best eager setup) and
+llama.cpp on the same GGUF when llama-cpp-python is installed. Columns: tokens/s, ratio to
+transformers, fraction of the bandwidth limit measured in the same run, and the forward cost
+curve (time of a forward over n new tokens relative to n = 1), which bounds what speculation can
+gain: verifying k drafts costs curve[k + 1].
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.bench.prompts import spec_bench_prompts
+from tandem.config import EngineConfig, SamplingParams
+from tandem.model.kv_cache import KVCache
+from tandem.model.runner import ModelRunner, SeqInput
+
+CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT_FOR_CURVE = 200
+
+
+@dataclass
+class BaseResult:
+    name: str
+    tokens_per_second: float
+    weight_bytes: int = 0
+    bandwidth_fraction: float | None = None
+    cost_curve: dict[int, float] = field(default_factory=dict)
+    step_ms: float | None = None
+
+
+def measure_bandwidth(mb: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s: median time of summing a buffer much larger than the caches."""
+    x = torch.ones(mb * 1024 * 1024 // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def tandem_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES) -> dict[int, float]:
+    """Seconds of a forward over n new tokens (logits for all n, as verification needs) after a
+    CONTEXT_FOR_CURVE-token prefix."""
+    cache = KVCache(loaded.config, 1, CONTEXT_FOR_CURVE + max(sizes) + 1, loaded.dtype)
+    runner = ModelRunner(loaded.model, cache)
+    seq = cache.allocate()
+    runner.forward([SeqInput(seq, [100 + i % 1000 for i in range(CONTEXT_FOR_CURVE)])])
+
+    def fwd(n):
+        runner.forward([SeqInput(seq, [200 + i for i in range(n)], logits="all")])
+        cache.truncate(seq, CONTEXT_FOR_CURVE)
+
+    return {n: _median_time(lambda: fwd(n), repeats) for n in sizes}
+
+
+def model_weight_bytes(model: torch.nn.Module, skip: tuple[str, ...] = ("embed",)) -> int:
+    """Bytes one decode step must read: every weight except the embedding table (a lookup)."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not any(name == s or name.startswith(s + ".") for s in skip):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_new: int, threads: int | None):
+    from tandem.llm import LLM
+
+    llm = LLM(model_name, dtype=dtype, quantization=quant, threads=threads, max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), chat=True)
+    tokens, seconds = 0, 0.0
+    for p in prompts:
+        t = time.perf_counter()
+        out = llm.generate(p, params, chat=True)[0]
+        seconds += time.perf_counter() - t
+        tokens += len(out.token_ids)
+    curve = tandem_cost_curve(llm.loaded)
+    label = f"tandem {llm.loaded.quantization}/{str(llm.loaded.dtype).replace('torch.', '')}"
+    return BaseResult(label, tokens / seconds, model_weight_bytes(llm.loaded.model), cost_curve=curve,
+                      step_ms=curve[1] * 1000)
+
+
+def run_transformers(model_name: str, prompts: list[str], max_new: int) -> BaseResult:
+    """transformers `generate`, fp32, greedy, static-free default cache: its documented default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.model.loader import _ensure_gguf_float_weights, _ensure_gguf_metadata, resolve_model
+
+    src = resolve_model(model_name)
+    if src.gguf_path is not None:
+        _ensure_gguf_metadata(src)
+        _ensure_gguf_float_weights(src)
+    tok = AutoTokenizer.from_pretrained(str(src.hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=torch.float32).eval()
+
+    def encode(p):
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True, return_tensors="pt")
+        return ids["input_ids"]
+
+    gen = dict(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=tok.eos_token_id)
+    with torch.inference_mode():
+        model.generate(encode(prompts[0]), **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})
+        tokens, seconds = 0, 0.0
+        for p in prompts:
+            ids = encode(p)
+            t = time.perf_counter()
+            out = model.generate(ids, **gen)
+            seconds += time.perf_counter() - t
+            tokens += out.shape[1] - ids.shape[1]
+        curve = _transformers_cost_curve(model)
+    return BaseResult("transformers generate fp32", tokens / seconds,
+                      model_weight_bytes(model, skip=("model.embed_tokens",)) if not model.config.tie_word_embeddings
+                      else model_weight_bytes(model, skip=()), cost_curve=curve, step_ms=curve[1] * 1000)
+
+
+def _transformers_cost_curve(model, repeats: int = 5) -> dict[int, float]:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    prefix = torch.tensor([[100 + i % 1000 for i in range(CONTEXT_FOR_CURVE)]])
+    model(prefix, past_key_values=cache, use_cache=True)
+
+    def fwd(n):
+        ids = torch.tensor([[200 + i for i in range(n)]])
+        model(ids, past_key_values=cache, use_cache=True)
+        cache.crop(CONTEXT_FOR_CURVE)
+
+    return {n: _median_time(lambda: fwd(n), repeats) for n in CURVE_SIZES}
+
+
+def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int | None) -> BaseResult | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    import os
+
+    from tandem.model.loader import resolve_model
+
+    src = resolve_model(model_name)
+    if src.gguf_path is None:
+        return None
+    llm = Llama(model_path=str(src.gguf_path), n_ctx=2048, n_threads=threads or os.cpu_count(), verbose=False)
+    eos = llm.token_eos()
+
+    def no_eos(_ids, logits):
+        logits[eos] = -float("inf")
+        return logits
+
+    tokens, seconds = 0, 0.0
+    for p in prompts:
+        t = time.perf_counter()
+        out = llm.create_chat_completion([{"role": "user", "content": p}], max_tokens=max_new, temperature=0.0,
+                                         logits_processor=[no_eos])
+        seconds += time.perf_counter() - t
+        tokens += out["usage"]["completion_tokens"]
+    return BaseResult("llama.cpp (same GGUF)", tokens / seconds)
+
+
+def bench_base(args) -> dict:
+    prompts = [p.text for p in spec_bench_prompts(per_category=1)][: args.num_prompts]
+    bandwidth = measure_bandwidth()
+    print(f"read bandwidth: {bandwidth:.1f} GB/s; {len(prompts)} Spec-Bench prompts, {args.max_new_tokens} new tokens each")
+    results: list[BaseResult] = []
+    if not args.skip_transformers:
+        results.append(run_transformers(args.model, prompts, args.max_new_tokens))
+        gc.collect()
+    for config in args.configs:
+        dtype, quant = config.split("/") if "/" in config else ("auto", config)
+        results.append(run_tandem(args.model, dtype, quant, prompts, args.max_new_tokens, args.threads))
+        gc.collect()
+    lcpp = run_llamacpp(args.model, prompts, args.max_new_tokens, args.threads)
+    if lcpp:
+        results.append(lcpp)
+    for r in results:
+        if r.weight_bytes:
+            r.bandwidth_fraction = r.tokens_per_second / (bandwidth * 1e9 / r.weight_bytes)
+    report = {"model": args.model, "bandwidth_gb_s": bandwidth, "max_new_tokens": args.max_new_tokens,
+              "num_prompts": len(prompts), "results": [asdict(r) for r in results]}
+    print_table(report)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot_cost_curves(report, args.plot)
+    return report
+
+
+def print_table(report: dict) -> None:
+    results = report["results"]
+    ref = next((r["tokens_per_second"] for r in results if r["name"].startswith("transformers")), None)
+    head = f"{'configuration':34} {'tok/s':>7} {'vs HF':>6} {'BW use':>7} {'weights':>8}  cost curve n=" + "/".join(map(str, CURVE_SIZES))
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        ratio = f"{r['tokens_per_second'] / ref:.2f}x" if ref else "-"
+        bw = f"{r['bandwidth_fraction'] * 100:.0f}%" if r["bandwidth_fraction"] else "-"
+        mb = f"{r['weight_bytes'] / 1e6:.0f}MB" if r["weight_bytes"] else "-"
+        curve = r["cost_curve"]
+        c = "/".join(f"{curve[n] / curve[1]:.2f}" for n in CURVE_SIZES) if curve else "-"
+        print(f"{r['name']:34} {r['tokens_per_second']:7.1f} {ratio:>6} {bw:>7} {mb:>8}  {c}")
+
+
+def plot_cost_curves(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: skipping the plot")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in report["results"]:
+        curve = {int(k): v for k, v in r["cost_curve"].items()}
+        if curve:
+            ns = sorted(curve)
+            ax1.plot(ns, [curve[n] / curve[1] for n in ns], marker="o", label=r["name"])
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("new tokens in one forward")
+    ax1.set_ylabel("time relative to 1 token")
+    ax1.set_title("Forward cost curve (verification cost)")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    names = [r["name"] for r in report["results"]]
+    ax2.barh(names, [r["tokens_per_second"] for r in report["results"]], color="tab:blue")
+    ax2.set_xlabel("tokens/s (greedy, batch 1)")
+    ax2.set_title(f"Plain decoding, {report['model']}")
+    ax2.invert_yaxis()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

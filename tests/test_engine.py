@@ -1,0 +1,161 @@
+"""Engine on tiny random models: greedy identity with transformers, batching, seeds, stop
+conditions, and the speculative loop with scripted drafters (accepts, rejections, stops inside
+accepted runs)."""
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.drafters import Drafter, register
+from tandem.llm import LLM
+from tandem.types import Draft
+
+PROMPTS = [[5, 17, 33, 8, 91, 4], [60, 61, 62], [7] * 11 + [12, 13]]
+
+
+def make_llm(arch="llama", spec: SpecConfig | None = None, max_num_seqs=4):
+    _, loaded = tiny_loaded(arch)
+    return LLM.from_loaded(loaded, EngineConfig(max_model_len=128, max_num_seqs=max_num_seqs, spec=spec or SpecConfig()))
+
+
+# A scripted drafter: proposes the plain greedy continuation (from a reference run the test
+# installs), corrupted at every `wrong_every`-th draft position, so rounds mix full acceptance,
+# early rejection and bonus tokens.
+SCRIPT: dict = {}
+
+
+@register("test_scripted")
+class ScriptedDrafter(Drafter):
+    def propose(self, batch):
+        drafts = []
+        for inp in batch:
+            ref = SCRIPT["continuations"][tuple(inp.token_ids[: inp.num_prompt_tokens])]
+            done = len(inp.token_ids) - inp.num_prompt_tokens
+            k = min(self.spec.num_draft_tokens, inp.max_draft_tokens)
+            toks = list(ref[done : done + k])
+            # keep drafting past the reference end (beyond EOS/max_tokens) to test trimming
+            toks += [3] * (k - len(toks))
+            every = SCRIPT["wrong_every"]
+            if every:
+                toks = [(t + 1) % 97 if (done + i) % every == every - 1 else t for i, t in enumerate(toks)]
+            drafts.append(Draft(toks))
+        return drafts
+
+
+@register("test_sampled")
+class SampledDrafter(Drafter):
+    """Draws drafts from a fixed random distribution q and reports q: exercises the stochastic rule."""
+
+    def propose(self, batch):
+        out = []
+        for inp in batch:
+            k = min(self.spec.num_draft_tokens, inp.max_draft_tokens)
+            q = torch.softmax(torch.randn(k, 97, generator=torch.Generator().manual_seed(len(inp.token_ids))) * 3, -1)
+            toks = torch.multinomial(q, 1, generator=inp.generator).squeeze(-1).tolist()
+            out.append(Draft(toks, probs=q))
+        return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_matches_transformers_generate(arch):
+    hf, loaded = tiny_loaded(arch)
+    llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=128))
+    for prompt in PROMPTS:
+        ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, min_new_tokens=20)
+        assert ours.token_ids == ref[0, len(prompt):].tolist()
+        assert ours.finish_reason == "length"
+
+
+def test_batched_equals_single():
+    llm = make_llm(max_num_seqs=2)  # 3 prompts, 2 cache rows: also exercises queueing
+    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    batched = llm.generate(PROMPTS, params)
+    single = [make_llm().generate(p, params)[0] for p in PROMPTS]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in single]
+
+
+def test_seeds_reproduce_and_differ():
+    llm = make_llm()
+    a = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=30, seed=7, ignore_eos=True))[0]
+    b = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=30, seed=7, ignore_eos=True))[0]
+    c = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=30, seed=8, ignore_eos=True))[0]
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_token_and_stop_string_and_max_tokens():
+    llm = make_llm()
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
+    stop_tok = base[6]
+    first = base.index(stop_tok)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
+    assert out.token_ids == base[: first + 1] and out.finish_reason == "stop"
+    stop_str = f"<{base[4]}><{base[5]}>"
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop=(stop_str,), ignore_eos=True))[0]
+    assert stop_str not in out.text and out.finish_reason == "stop"
+    full = "".join(f"<{t}>" for t in base)
+    assert out.text == full[: full.find(stop_str)]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.token_ids == base[:5] and out.finish_reason == "length"
+
+
+def _install_script(llm, params, wrong_every):
+    plain = make_llm().generate(PROMPTS, params)
+    SCRIPT["continuations"] = {tuple(p): o.token_ids for p, o in zip(PROMPTS, plain)}
+    SCRIPT["wrong_every"] = wrong_every
+    return plain
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("wrong_every", [0, 3, 5])
+def test_speculative_greedy_identity_scripted(k, wrong_every):
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    llm = make_llm(spec=SpecConfig(algorithm="test_scripted", num_draft_tokens=k))
+    plain = _install_script(llm, params, wrong_every)
+    spec = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stats = spec[0].spec
+    assert stats.num_draft_tokens > 0
+    if wrong_every == 0:
+        assert stats.acceptance_rate == 1.0 and stats.mean_acceptance_length > 1.0
+    else:
+        assert stats.acceptance_rate < 1.0
+    assert len(spec[0].token_ids) == 25
+
+
+def test_stops_inside_an_accepted_run():
+    """Drafts run past max_tokens and past a stop token: nothing after them is emitted or counted."""
+    base_params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = make_llm(spec=SpecConfig(algorithm="test_scripted", num_draft_tokens=8))
+    plain = _install_script(llm, base_params, 0)
+    for p, ref in zip(PROMPTS, plain):
+        out = llm.generate(p, SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))[0]
+        assert out.token_ids == ref.token_ids[:11] and out.finish_reason == "length"
+        stop_tok = ref.token_ids[9]
+        cut = ref.token_ids.index(stop_tok)
+        out = llm.generate(p, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
+        assert out.token_ids == ref.token_ids[: cut + 1]
+        assert out.spec.num_committed_tokens == len(out.token_ids)
+
+
+def test_sampled_drafter_seeds_reproduce():
+    llm = make_llm(spec=SpecConfig(algorithm="test_sampled", num_draft_tokens=3))
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=20, seed=11, ignore_eos=True)
+    a = llm.generate(PROMPTS[0], params)[0]
+    b = llm.generate(PROMPTS[0], params)[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+    assert all(0 <= t < 97 for t in a.token_ids)
+    assert a.spec.num_draft_tokens > 0
+
+
+def test_prompt_longer_than_context_is_rejected():
+    llm = make_llm()
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([5] * 200, SamplingParams(max_tokens=4))
+
+
+def test_unknown_drafter_lists_available():
+    with pytest.raises(ValueError, match="available"):
+        make_llm(spec=SpecConfig(algorithm="nope"))
