@@ -237,7 +237,7 @@ def load_model(
     quant = resolve_quantization(quantization, src, device)
     torch_dtype = resolve_dtype(dtype, quant)
     if quant == "native":
-        from tandem.model.gguf_native import GGUFSource
+        from tandem.model.gguf_source import GGUFSource
 
         weights = GGUFSource(src.gguf_path, cfg, torch_dtype)
     else:
