@@ -149,8 +149,9 @@ class Engine:
             # Keep the KV of next_token + accepted drafts; the recovered/bonus token is the next input.
             self.cache.truncate(req.seq, self.cache.last_start[req.seq] + 1 + accepted)
             req.hidden = {layer: h[b][: accepted + 1] for layer, h in out.hidden.items()}
-            updates.append(self._commit(req, tokens, drafted=len(draft), accepted=accepted))
-            outcomes.append(DraftOutcome(req.request_id, len(draft), accepted, tokens))
+            update = self._commit(req, tokens, drafted=len(draft), accepted=accepted)
+            updates.append(update)
+            outcomes.append(DraftOutcome(req.request_id, len(draft), accepted, update.new_token_ids))
         if self.drafter is not None:
             self.drafter.observe(outcomes)
         return updates
