@@ -111,6 +111,19 @@ def cmd_generate(args) -> int:
             return 0
 
 
+def cmd_audit(args) -> int:
+    from tandem.audit import run_audit
+
+    if not args.speculative_algorithm:
+        raise ValueError("audit needs --speculative-algorithm")
+    params = sampling_from_args(args)
+    llm = llm_from_args(args)
+    prompt_ids = llm.encode(args.prompt, chat=args.chat)
+    report = run_audit(llm.engine, prompt_ids, params, rounds=args.rounds, alpha=args.alpha, seed=args.seed or 0)
+    print(report.render())
+    return 0 if report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Lossless speculative decoding engine")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -124,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=cmd_generate)
+
+    audit = sub.add_parser("audit", help="prove losslessness of a target + drafter statistically (exit 1 on failure)")
+    add_model_args(audit)
+    add_spec_args(audit)
+    add_sampling_args(audit)
+    audit.set_defaults(temperature=1.0)
+    audit.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
+    audit.add_argument("--chat", action="store_true")
+    audit.add_argument("--rounds", type=int, default=4000, help="independent speculative rounds")
+    audit.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance level")
+    audit.set_defaults(func=cmd_audit)
 
     from tandem.bench.cli import add_bench_parser
 
