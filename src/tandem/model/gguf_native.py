@@ -201,7 +201,7 @@ def dequantize(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> torch.Ten
     return torch.from_numpy(np.ascontiguousarray(values)).reshape(shape)
 
 
-def decode_tensor(t: ReaderTensor) -> GGUFTensor:
+def decode_tensor(t: "ReaderTensor | IndexedTensor") -> GGUFTensor:
     """A GGUFReader tensor -> record (4-bit formats kept as groups when the tensor is 2-D)."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     qtype = t.tensor_type
@@ -216,17 +216,20 @@ def read_gguf(source: str | os.PathLike | GGUFReader, names: Iterable[str] | Non
               ) -> tuple[dict[str, object], dict[str, GGUFTensor]]:
     """(metadata, {GGUF tensor name: record}) of a GGUF file; `names` limits what is decoded.
 
-    metadata maps each key (e.g. "llama.attention.head_count") to its Python value. `source`
-    may be an open GGUFReader: parsing a file's header (its vocabulary above all) takes
-    seconds, decoding the tensors much less.
+    metadata maps each key (e.g. "llama.attention.head_count") to its Python value; read from a
+    path, array-valued keys (the vocabulary) are skipped (see index_gguf). `source` may also be
+    an open GGUFReader, which keeps every key.
     """
-    reader = source if isinstance(source, GGUFReader) else GGUFReader(source)
-    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    if isinstance(source, GGUFReader):
+        metadata = {key: field.contents() for key, field in source.fields.items()}
+        index, where = source.tensors, source.data.filename
+    else:
+        metadata, index = index_gguf(source)
+        where = source
     wanted = None if names is None else set(names)
-    tensors = {t.name: decode_tensor(t) for t in reader.tensors
-               if wanted is None or t.name in wanted}
+    tensors = {t.name: decode_tensor(t) for t in index if wanted is None or t.name in wanted}
     if wanted is not None and wanted - tensors.keys():
-        raise KeyError(f"not in {reader.data.filename}: {sorted(wanted - tensors.keys())}")
+        raise KeyError(f"not in {where}: {sorted(wanted - tensors.keys())}")
     return metadata, tensors
 
 
@@ -298,3 +301,94 @@ def to_linear(record: GGUFTensor, activation_dtype: torch.dtype = torch.bfloat16
     if dense_mode == "none":
         return DenseLinear(weight, bias, dtype=activation_dtype)
     return quantize_linear(weight, bias, dense_mode)
+
+
+# --- fast tensor index -------------------------------------------------------------------------
+
+@dataclass
+class IndexedTensor:
+    """The fields of gguf's ReaderTensor that decode_tensor reads (shape in GGUF order)."""
+
+    name: str
+    shape: np.ndarray
+    tensor_type: QT
+    data: np.ndarray  # raw bytes, uint8
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def index_gguf(path: str | os.PathLike) -> tuple[dict[str, object], list[IndexedTensor]]:
+    """Tensor index of a GGUF file without materialising its metadata arrays.
+
+    GGUFReader builds numpy views for every vocabulary entry (seconds for a 49k-262k vocab);
+    here metadata values are skipped by length, keeping only scalar and string values.
+    Layout (GGUF v2/v3): magic, version, tensor count, kv count; kv pairs; tensor infos
+    (name, dims, type, offset); tensor data from the next `general.alignment` boundary.
+    """
+    import struct
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(raw)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        s = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace")
+        pos += 8 + n
+        return s
+
+    def value(vtype: int):
+        nonlocal pos
+        if vtype == _STRING:
+            return string()
+        if vtype == _ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if etype == _STRING:
+                for _ in range(count):
+                    (n,) = struct.unpack_from("<Q", buf, pos)
+                    pos += 8 + n
+            elif etype == _ARRAY:
+                for _ in range(count):
+                    value(_ARRAY)
+            else:
+                pos += _SCALAR_SIZES[etype] * count
+            return None
+        fmt = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}[vtype]
+        (v,) = struct.unpack_from(fmt, buf, pos)
+        pos += _SCALAR_SIZES[vtype]
+        return v
+
+    metadata: dict[str, object] = {}
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        v = value(vtype)
+        if v is not None:
+            metadata[key] = v
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, dims, QT(qtype), offset))
+    align = int(metadata.get("general.alignment", 32))
+    start = (pos + align - 1) // align * align
+    tensors = []
+    for name, dims, qtype, offset in infos:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(dims)) // block * type_size
+        data = raw[start + offset : start + offset + nbytes]
+        tensors.append(IndexedTensor(name, np.array(dims), qtype, data))
+    return metadata, tensors

@@ -16,6 +16,12 @@ class CacheFullError(RuntimeError):
     pass
 
 
+def kv_cache_dtype(activation_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """fp32 on CPU whatever the activations: without native bf16, attention over a bf16 cache
+    measured ~5x slower than over fp32 on this CPU (and fp32 keeps attention exact)."""
+    return torch.float32 if str(device).startswith("cpu") else activation_dtype
+
+
 class KVCache:
     def __init__(
         self,
@@ -25,7 +31,9 @@ class KVCache:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
     ) -> None:
+        """dtype: the model's activation dtype (the cache may store a wider one, see kv_cache_dtype)."""
         shape = (cfg.num_layers, max_seqs, cfg.num_kv_heads, max_len, cfg.head_dim)
+        dtype = kv_cache_dtype(dtype, device)
         # Layout [L, S, Hkv, M, D]: a sequence's keys for one layer are a contiguous [Hkv, M, D]
         # block, so a batch-1 read is a view and attention needs no gather.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
