@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -58,6 +59,10 @@ class LLM:
         configure_threads(threads)
         self.loaded = load_model(model, dtype=dtype, quantization=quantization, device=device)
         self.engine = Engine(self.loaded, self.config)
+        # Loading leaves millions of long-lived objects; keep the cyclic GC from rescanning them
+        # in the middle of decoding (measured 100+ ms pauses).
+        gc.collect()
+        gc.freeze()
         self.tokenizer = self.loaded.tokenizer
 
     @classmethod

@@ -213,11 +213,12 @@ def resolve_quantization(quantization: str, src: ModelSource, device: str) -> st
     return quantization
 
 
-def resolve_dtype(dtype: str, quantization: str) -> torch.dtype:
-    """'auto': bf16 activations for weight-only quantized layers (their kernels take bf16), fp32
-    for dense weights (fp32 keeps multi-token verification cheap on this CPU; see README)."""
+def resolve_dtype(dtype: str, quantization: str, device: str = "cpu") -> torch.dtype:
+    """'auto': bf16 activations for weight-only quantized layers (their kernels take bf16) and on
+    CUDA; fp32 for dense weights on CPU (this CPU has no native bf16: dense bf16 makes a
+    multi-token verification forward several times a one-token one; see README)."""
     if dtype == "auto":
-        return torch.bfloat16 if quantization != "none" else torch.float32
+        return torch.bfloat16 if quantization != "none" or device == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
@@ -235,7 +236,7 @@ def load_model(
     hf_cfg = read_hf_config(src.hf_dir)
     cfg = model_config_from_hf(hf_cfg)
     quant = resolve_quantization(quantization, src, device)
-    torch_dtype = resolve_dtype(dtype, quant)
+    torch_dtype = resolve_dtype(dtype, quant, device)
     if quant == "native":
         from tandem.model.gguf_source import GGUFSource
 

@@ -77,7 +77,7 @@ class AttentionPlan:
     write_seq / write_slot: flat [N] cache coordinates of the N valid new tokens; write_fast is
     (seq, start) when B = 1 so the write is a plain slice. read_seqs: [B] cache rows to attend to,
     read_len: number of slots read. masks[window]: [B, 1, T, read_len] bool or None (no mask).
-    cos/sin[rope_index]: [B, T, D].
+    cos/sin[rope_index]: [B, T, 1, D].
     """
 
     write_seq: torch.Tensor
@@ -92,9 +92,10 @@ class AttentionPlan:
     sin: list[torch.Tensor] = field(default_factory=list)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, written as x * cos + roll(x) * sin'
+    with sin' = [-sin_1, sin_2] folded into the table once (rotate_half(x) = roll(x) * [-1, 1])."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class DecoderLayer(nn.Module):
@@ -129,16 +130,17 @@ class DecoderLayer(nn.Module):
         B, T, _ = x.shape
         h = self.attn_norm(x)
         qkv = self.qkv(h).to(x.dtype)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
-        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos, sin = plan.cos[self.rope], plan.sin[self.rope]  # [B, T, 1, D]
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos = plan.cos[self.rope].unsqueeze(2)  # [B, T, 1, D]
-        sin = plan.sin[self.rope].unsqueeze(2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = _rope(self.q_norm(q.view(B, T, heads, hd)), cos, sin)
+            k = _rope(self.k_norm(k.view(B, T, kv_heads, hd)), cos, sin)
+        else:
+            # q and k rotated together: one set of rope ops per layer instead of two.
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            q, k = _rope(qk.view(B, T, heads + kv_heads, hd), cos, sin).split([heads, kv_heads], dim=2)
+        v = v.view(B, T, kv_heads, hd)
         # The cache may be wider than the activations (fp32 cache with bf16 activations: this
         # CPU has no native bf16, and fp32 attention measured ~5x faster than bf16 here).
         k, v = k.to(cache.k.dtype), v.to(cache.k.dtype)
@@ -205,18 +207,21 @@ class TransformerLM(nn.Module):
         return x * self.embed_scale if self.embed_scale is not None else x
 
     def build_rope_tables(self, max_positions: int) -> None:
-        """Precompute cos/sin [P, D] per rope table (fp32 math as in HF, then cast once)."""
+        """Precompute cos and sign-folded sin [P, D] per rope table (fp32 math as in HF, then
+        cast once; see _rope)."""
         positions = torch.arange(max_positions, dtype=torch.float32)
         self.cos_tables, self.sin_tables = [], []
         for inv in self.inv_freq:
             freqs = positions.unsqueeze(-1) * inv
             emb = torch.cat((freqs, freqs), dim=-1)
+            half = emb.shape[-1] // 2
+            sin = emb.sin()
             self.cos_tables.append(emb.cos().to(self.dtype))
-            self.sin_tables.append(emb.sin().to(self.dtype))
+            self.sin_tables.append(torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype))
 
     def rope(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """cos/sin [B, T, D] per rope table for integer positions [B, T]."""
-        return [t[positions] for t in self.cos_tables], [t[positions] for t in self.sin_tables]
+        """cos/sin [B, T, 1, D] per rope table for integer positions [B, T] (broadcast over heads)."""
+        return [t[positions].unsqueeze(2) for t in self.cos_tables], [t[positions].unsqueeze(2) for t in self.sin_tables]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-layer hidden states (before the final norm) -> [N, V] fp32 logits."""
