@@ -35,6 +35,11 @@ class BaseResult:
     bandwidth_fraction: float | None = None
     cost_curve: dict[int, float] = field(default_factory=dict)
     step_ms: float | None = None
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Greedy agreement with tandem's fp32 run (identical to transformers' fp32 greedy): mean
+    # number of tokens before the first divergence, and prompts identical over all tokens.
+    agreement_tokens: float | None = None
+    agreement_identical: int | None = None
 
 
 def measure_bandwidth(mb: int = 512, repeats: int = 5) -> float:
@@ -89,16 +94,21 @@ def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_
     llm = LLM(model_name, dtype=dtype, quantization=quant, threads=threads, max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), chat=True)
-    tokens, seconds = 0, 0.0
+    tokens, seconds, token_ids = 0, 0.0, []
     for p in prompts:
         t = time.perf_counter()
         out = llm.generate(p, params, chat=True)[0]
         seconds += time.perf_counter() - t
         tokens += len(out.token_ids)
+        token_ids.append(out.token_ids)
     curve = tandem_cost_curve(llm.loaded)
     label = f"tandem {llm.loaded.quantization}/{str(llm.loaded.dtype).replace('torch.', '')}"
     return BaseResult(label, tokens / seconds, model_weight_bytes(llm.loaded.model), cost_curve=curve,
-                      step_ms=curve[1] * 1000)
+                      step_ms=curve[1] * 1000, token_ids=token_ids)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def run_transformers(model_name: str, prompts: list[str], max_new: int) -> BaseResult:
@@ -194,11 +204,17 @@ def bench_base(args) -> dict:
     lcpp = run_llamacpp(args.model, prompts, args.max_new_tokens, args.threads)
     if lcpp:
         results.append(lcpp)
+    reference = next((r for r in results if r.name == "tandem none/float32"), None)
     for r in results:
         if r.weight_bytes:
             r.bandwidth_fraction = r.tokens_per_second / (bandwidth * 1e9 / r.weight_bytes)
+        if reference is not None and r.token_ids and r is not reference:
+            spans = [first_divergence(a, b) for a, b in zip(r.token_ids, reference.token_ids)]
+            r.agreement_tokens = sum(spans) / len(spans)
+            r.agreement_identical = sum(s == len(b) for s, b in zip(spans, reference.token_ids))
     report = {"model": args.model, "bandwidth_gb_s": bandwidth, "max_new_tokens": args.max_new_tokens,
-              "num_prompts": len(prompts), "results": [asdict(r) for r in results]}
+              "num_prompts": len(prompts),
+              "results": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]}
     print_table(report)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +228,8 @@ def bench_base(args) -> dict:
 def print_table(report: dict) -> None:
     results = report["results"]
     ref = next((r["tokens_per_second"] for r in results if r["name"].startswith("transformers")), None)
-    head = f"{'configuration':34} {'tok/s':>7} {'vs HF':>6} {'BW use':>7} {'weights':>8}  cost curve n=" + "/".join(map(str, CURVE_SIZES))
+    head = (f"{'configuration':30} {'tok/s':>7} {'vs HF':>6} {'BW use':>7} {'weights':>8} {'agree':>7}"
+            "  cost curve n=" + "/".join(map(str, CURVE_SIZES)))
     print(head)
     print("-" * len(head))
     for r in results:
@@ -221,7 +238,10 @@ def print_table(report: dict) -> None:
         mb = f"{r['weight_bytes'] / 1e6:.0f}MB" if r["weight_bytes"] else "-"
         curve = r["cost_curve"]
         c = "/".join(f"{curve[n] / curve[1]:.2f}" for n in CURVE_SIZES) if curve else "-"
-        print(f"{r['name']:34} {r['tokens_per_second']:7.1f} {ratio:>6} {bw:>7} {mb:>8}  {c}")
+        agree = f"{r['agreement_tokens']:.0f}" if r.get("agreement_tokens") is not None else "-"
+        print(f"{r['name']:30} {r['tokens_per_second']:7.1f} {ratio:>6} {bw:>7} {mb:>8} {agree:>7}  {c}")
+    print("agree: mean greedy tokens before the first divergence from tandem fp32 "
+          f"(= transformers fp32 greedy), out of {report['max_new_tokens']}")
 
 
 def plot_cost_curves(report: dict, path: str) -> None:

@@ -251,7 +251,9 @@ def load_model(
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, desc: str = "building model") -> TransformerLM:
+    from functools import partial
+
     from tqdm.auto import tqdm
 
-    with tqdm(total=1, desc=desc, unit="model", leave=False, disable=None):
-        return TransformerLM(cfg, weights, dtype).eval()
+    bar = partial(tqdm, desc=desc, unit="layer", leave=False, disable=None)
+    return TransformerLM(cfg, weights, dtype, progress=bar).eval()

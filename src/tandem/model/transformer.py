@@ -185,7 +185,8 @@ class DecoderLayer(nn.Module):
 class TransformerLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head, on a caller-provided KV cache."""
 
-    def __init__(self, cfg: ModelConfig, src: WeightSource, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, src: WeightSource, dtype: torch.dtype, progress=None) -> None:
+        """progress: optional wrapper over the layer indices (a progress bar while loading)."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -195,7 +196,8 @@ class TransformerLM(nn.Module):
         self.embed_scale = (
             float(torch.tensor(cfg.embed_scale, dtype=dtype)) if cfg.embed_scale is not None else None
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, src, dtype) for i in range(cfg.num_layers))
+        indices = range(cfg.num_layers) if progress is None else progress(range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, src, dtype) for i in indices)
         self.norm = RMSNorm(src.tensor("model.norm.weight"), cfg.rms_norm_eps, cfg.norm_offset, dtype)
         head = "lm_head.weight" if not cfg.tie_word_embeddings and src.has("lm_head.weight") else "model.embed_tokens.weight"
         self.lm_head = src.linear([head], False)
