@@ -65,3 +65,38 @@ def test_gemma3_logits_match_transformers():
     out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=24))[0]
     ref_ids = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24)[0, len(ids):].tolist()
     assert out.token_ids == ref_ids
+
+
+@pytest.fixture(scope="module")
+def smol_native():
+    return LLM("smollm2-135m-instruct")  # auto: the GGUF's own 4-bit blocks, bf16 activations
+
+
+SPEC_PROMPTS = [
+    "Summarize this: The city council voted on Tuesday to extend the library's opening hours. "
+    "The library will now open at 8 am and close at 9 pm on weekdays. The council said the library "
+    "is one of the most used public buildings in the city.",
+    "Write a python function that returns the squares of a list of numbers, then show how to call it.",
+    "What is 12 times 13? Explain step by step.",
+]
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "suffix"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_native_speculative_greedy_equals_plain(smol_native, algorithm, k):
+    """Lossless relative to the quantized target: same configuration, same tokens."""
+    from tandem.config import EngineConfig, SpecConfig
+
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = smol_native.generate(SPEC_PROMPTS, params, chat=True)
+    spec_llm = LLM.from_loaded(smol_native.loaded, EngineConfig(spec=SpecConfig(algorithm=algorithm, num_draft_tokens=k)))
+    spec = spec_llm.generate(SPEC_PROMPTS, params, chat=True)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.spec.num_accepted_tokens for o in spec) > 0
+
+
+def test_native_batched_equals_single(smol_native):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    batched = smol_native.generate(SPEC_PROMPTS, params, chat=True)
+    single = [smol_native.generate(p, params, chat=True)[0] for p in SPEC_PROMPTS]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in single]

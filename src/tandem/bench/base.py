@@ -65,15 +65,15 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def tandem_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES) -> dict[int, float]:
-    """Seconds of a forward over n new tokens (logits for all n, as verification needs) after a
-    CONTEXT_FOR_CURVE-token prefix."""
+    """Seconds of a verification forward over n new tokens (logits for all n, token-by-token
+    attention as the engine verifies) after a CONTEXT_FOR_CURVE-token prefix."""
     cache = KVCache(loaded.config, 1, CONTEXT_FOR_CURVE + max(sizes) + 1, loaded.dtype)
     runner = ModelRunner(loaded.model, cache)
     seq = cache.allocate()
     runner.forward([SeqInput(seq, [100 + i % 1000 for i in range(CONTEXT_FOR_CURVE)])])
 
     def fwd(n):
-        runner.forward([SeqInput(seq, [200 + i for i in range(n)], logits="all")])
+        runner.forward([SeqInput(seq, [200 + i for i in range(n)], logits="all")], token_by_token=True)
         cache.truncate(seq, CONTEXT_FOR_CURVE)
 
     return {n: _median_time(lambda: fwd(n), repeats) for n in sizes}

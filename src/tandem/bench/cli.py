@@ -6,6 +6,7 @@ import argparse
 
 
 def add_bench_parser(sub) -> None:
+    from tandem.config import DTYPES, QUANTIZATIONS
     from tandem.model.loader import DEFAULT_MODEL
 
     bench = sub.add_parser("bench", help="benchmarks (side by side, one run, ratios)")
@@ -23,6 +24,23 @@ def add_bench_parser(sub) -> None:
     base.add_argument("--plot", default="results/bench_base.png")
     base.set_defaults(func=_run_base)
 
+    spec = kinds.add_parser("spec", help="speculative decoding, Spec-Bench style: tandem methods vs plain, transformers PLD vs plain")
+    spec.add_argument("--model", default=DEFAULT_MODEL)
+    spec.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES)
+    spec.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
+    spec.add_argument("--methods", nargs="+", default=["ngram", "suffix"], help="drafter names")
+    spec.add_argument("--num-draft-tokens", type=int, default=4)
+    spec.add_argument("--per-category", type=int, default=3, help="first N prompts of each Spec-Bench category")
+    spec.add_argument("--categories", nargs="+", default=None,
+                      help="subset of multi_turn translation summarization qa math_reasoning rag")
+    spec.add_argument("--max-new-tokens", type=int, default=128)
+    spec.add_argument("--hf-pld-tokens", type=int, default=10, help="transformers prompt_lookup_num_tokens")
+    spec.add_argument("--threads", type=int, default=None)
+    spec.add_argument("--skip-transformers", action="store_true")
+    spec.add_argument("--out", default="results/bench_spec.json")
+    spec.add_argument("--plot", default="results/bench_spec.png")
+    spec.set_defaults(func=_run_spec)
+
 
 def _run_base(args: argparse.Namespace) -> int:
     from tandem.bench.base import bench_base
@@ -31,3 +49,13 @@ def _run_base(args: argparse.Namespace) -> int:
     configure_threads(args.threads)
     bench_base(args)
     return 0
+
+
+def _run_spec(args: argparse.Namespace) -> int:
+    from tandem.bench.spec import bench_spec
+    from tandem.llm import configure_threads
+
+    configure_threads(args.threads)
+    report = bench_spec(args)
+    # A greedy mismatch means a method changed the output: a bug, so the exit status says so.
+    return 1 if any(v["mismatches"] for v in report["identity"].values()) else 0

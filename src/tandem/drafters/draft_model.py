@@ -233,9 +233,10 @@ class DraftModelDrafter(Drafter):
         self.lm.release(request_id)
 
     def _draft_ids(self, ids: list[int]) -> list[int]:
-        if self.vocab == self.lm.loaded.config.vocab_size or max(ids) < self.vocab:
+        draft_vocab = self.lm.loaded.config.vocab_size
+        if max(ids) < draft_vocab:
             return ids
-        return [t if t < self.vocab else self.stand_in for t in ids]
+        return [t if t < draft_vocab else self.stand_in for t in ids]
 
     def _seen(self, inp: DraftInput) -> torch.Tensor | None:
         """The context's distinct ids when a repetition penalty applies, as the target sees them."""

@@ -138,7 +138,8 @@ class Engine:
             SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all") for r, d in zip(batch, drafts)
         ]
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
-        out = self.runner.forward(inputs, needs)
+        # Token by token attention: each verified token sees exactly what plain decoding would.
+        out = self.runner.forward(inputs, needs, token_by_token=True)
         updates, outcomes = [], []
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             try:

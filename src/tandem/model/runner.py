@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.model.kv_cache import KVCache
-from tandem.model.transformer import AttentionPlan, TransformerLM
+from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
 
 
 @dataclass
@@ -74,7 +74,18 @@ class ModelRunner:
         self.windows = sorted(set(model.cfg.layer_windows), key=lambda w: -1 if w is None else w)
 
     @torch.inference_mode()
-    def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward(
+        self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = (), token_by_token: bool = False
+    ) -> ForwardOutput:
+        """Run new tokens through the model, writing their KV at the end of each sequence.
+
+        Chains attend sequence by sequence (no padding reaches attention), so a sequence's
+        numbers do not depend on what else is in the batch. token_by_token additionally gives
+        each new token its own attention call over exactly the keys it would see if decoded
+        alone: a verification forward then reproduces plain decoding bit for bit wherever the
+        linears are row-independent (the int4/int8 kernels are; MKL's fp32 GEMM is not quite).
+        Trees run as one padded, masked call.
+        """
         if not inputs:
             raise ValueError("forward needs at least one sequence")
         for inp in inputs:
@@ -85,7 +96,7 @@ class ModelRunner:
         T = max(len(i.token_ids) for i in inputs)
         starts = [cache.reserve(i.seq, len(i.token_ids)) for i in inputs]
         try:
-            plan, tokens, positions = self._plan(inputs, starts, T)
+            plan, tokens, positions = self._plan(inputs, starts, T, token_by_token)
         except Exception:
             for inp, start in zip(inputs, starts):
                 cache.truncate(inp.seq, start)
@@ -109,7 +120,7 @@ class ModelRunner:
         selected = flat[rows[0] : rows[0] + 1] if len(rows) == 1 else flat[torch.tensor(rows, device=self.device)]
         return ForwardOutput(model.logits(selected), offsets, hidden)
 
-    def _plan(self, inputs: list[SeqInput], starts: list[int], T: int):
+    def _plan(self, inputs: list[SeqInput], starts: list[int], T: int, token_by_token: bool):
         cache, device = self.cache, self.device
         B = len(inputs)
         lens = [len(i.token_ids) for i in inputs]
@@ -125,36 +136,46 @@ class ModelRunner:
         positions = torch.tensor(pos_rows, dtype=torch.long, device=device)
         if int(positions.max()) > cache.max_len:
             raise ValueError(f"position {int(positions.max())} exceeds max_model_len {cache.max_len}")
-        read_len = max(s + n for s, n in zip(starts, lens))
         for b, (inp, start, n) in enumerate(zip(inputs, starts, lens)):
             cache.slot_positions[inp.seq, start : start + n] = positions[b, :n]
         cos, sin = self.model.rope(positions)
-        padded = any(n != T for n in lens)
         valid = None
-        if padded:
+        if any(n != T for n in lens):
             valid = torch.zeros(B, T, dtype=torch.bool, device=device)
             for b, n in enumerate(lens):
                 valid[b, :n] = True
-        write_seq = torch.tensor([i.seq for i, n in zip(inputs, lens) for _ in range(n)], device=device)
-        write_slot = torch.tensor([s + t for s, n in zip(starts, lens) for t in range(n)], device=device)
-        read_seqs = torch.tensor([i.seq for i in inputs], device=device)
-        masks = {w: self._mask(inputs, starts, lens, T, read_len, positions, w) for w in self.windows}
-        return (
-            AttentionPlan(
-                write_seq=write_seq,
-                write_slot=write_slot,
-                valid=valid,
-                write_fast=(inputs[0].seq, starts[0]) if B == 1 else None,
-                read_seqs=read_seqs,
-                read_fast=inputs[0].seq if B == 1 else None,
-                read_len=read_len,
-                masks=masks,
-                cos=cos,
-                sin=sin,
-            ),
-            tokens,
-            positions,
+        plan = AttentionPlan(
+            write_seq=torch.tensor([i.seq for i, n in zip(inputs, lens) for _ in range(n)], device=device),
+            write_slot=torch.tensor([s + t for s, n in zip(starts, lens) for t in range(n)], device=device),
+            valid=valid,
+            write_fast=(inputs[0].seq, starts[0]) if B == 1 else None,
+            cos=cos,
+            sin=sin,
         )
+        if all(i.parents is None for i in inputs):
+            plan.segments = self._segments(inputs, starts, lens, positions, token_by_token)
+        else:
+            plan.read_seqs = torch.tensor([i.seq for i in inputs], device=device)
+            plan.read_len = max(s + n for s, n in zip(starts, lens))
+            plan.masks = {w: self._mask(inputs, starts, lens, T, plan.read_len, positions, w) for w in self.windows}
+        return plan, tokens, positions
+
+    def _segments(self, inputs, starts, lens, positions, token_by_token) -> list[AttentionSegment]:
+        """Attention calls for chains. A single query at position p sees slots [lo, p + 1) with
+        lo = p - window + 1 for sliding-window layers: a slice, no mask, exactly what one-token
+        decoding computes. A multi-token segment (prefill) is one causal masked call."""
+        segments = []
+        for b, (inp, start, n) in enumerate(zip(inputs, starts, lens)):
+            if token_by_token or n == 1:
+                for t in range(n):
+                    p = start + t
+                    lo = {w: 0 if w is None else max(0, int(positions[b, t]) - w + 1) for w in self.windows}
+                    segments.append(AttentionSegment(b, inp.seq, t, t + 1, p + 1, lo, dict.fromkeys(self.windows)))
+            else:
+                hi = start + n
+                masks = {w: self._mask([inp], [start], [n], n, hi, positions[b : b + 1, :n], w) for w in self.windows}
+                segments.append(AttentionSegment(b, inp.seq, 0, n, hi, dict.fromkeys(self.windows, 0), masks))
+        return segments
 
     def _mask(self, inputs, starts, lens, T, read_len, positions, window) -> torch.Tensor | None:
         """[B, 1, T, read_len] bool attention mask, or None when every key is visible.

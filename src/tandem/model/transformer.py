@@ -71,25 +71,39 @@ class LayerCache:
 
 
 @dataclass
+class AttentionSegment:
+    """One attention call: queries t0:t1 of batch row b against keys [lo[window], hi) of cache
+    row `seq`, with masks[window] ([1, 1, t1 - t0, hi - lo] bool) or None for no mask."""
+
+    b: int
+    seq: int
+    t0: int
+    t1: int
+    hi: int
+    lo: dict[int | None, int]
+    masks: dict[int | None, torch.Tensor | None]
+
+
+@dataclass
 class AttentionPlan:
     """Per-forward attention structure, shared by all layers (built once by the runner).
 
     write_seq / write_slot: flat [N] cache coordinates of the N valid new tokens; write_fast is
-    (seq, start) when B = 1 so the write is a plain slice. read_seqs: [B] cache rows to attend to,
-    read_len: number of slots read. masks[window]: [B, 1, T, read_len] bool or None (no mask).
-    cos/sin[rope_index]: [B, T, 1, D].
+    (seq, start) when B = 1 so the write is a plain slice. cos/sin[rope_index]: [B, T, 1, D].
+    Chains run as `segments` (one attention call each, see ModelRunner.forward); trees run as one
+    padded call over cache rows read_seqs with masks[window] [B, 1, T, read_len].
     """
 
     write_seq: torch.Tensor
     write_slot: torch.Tensor
     valid: torch.Tensor | None  # [B, T] bool, None when no padding
     write_fast: tuple[int, int] | None
-    read_seqs: torch.Tensor
-    read_fast: int | None
-    read_len: int
-    masks: dict[int | None, torch.Tensor | None]
-    cos: list[torch.Tensor] = field(default_factory=list)
-    sin: list[torch.Tensor] = field(default_factory=list)
+    cos: list[torch.Tensor]
+    sin: list[torch.Tensor]
+    segments: list[AttentionSegment] | None = None
+    read_seqs: torch.Tensor | None = None
+    read_len: int = 0
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -154,21 +168,29 @@ class DecoderLayer(nn.Module):
             vf = v[valid] if valid is not None else v.reshape(B * T, cfg.num_kv_heads, cfg.head_dim)
             cache.k[plan.write_seq, :, plan.write_slot] = kf
             cache.v[plan.write_seq, :, plan.write_slot] = vf
-        if plan.read_fast is not None:
-            s = plan.read_fast
-            keys = cache.k[s : s + 1, :, : plan.read_len]
-            values = cache.v[s : s + 1, :, : plan.read_len]
+        qt = q.transpose(1, 2).to(cache.k.dtype)  # [B, H, T, D]
+        gqa = cfg.num_heads != cfg.num_kv_heads
+        if plan.segments is not None:
+            attn = None if len(plan.segments) == 1 else qt.new_zeros(qt.shape)
+            for seg in plan.segments:
+                lo = seg.lo[self.window]
+                out = F.scaled_dot_product_attention(
+                    qt[seg.b : seg.b + 1, :, seg.t0 : seg.t1],
+                    cache.k[seg.seq : seg.seq + 1, :, lo : seg.hi],
+                    cache.v[seg.seq : seg.seq + 1, :, lo : seg.hi],
+                    attn_mask=seg.masks[self.window], scale=cfg.attn_scale, enable_gqa=gqa,
+                )
+                if attn is None:
+                    attn = out
+                else:
+                    attn[seg.b, :, seg.t0 : seg.t1] = out[0]
         else:
-            keys = cache.k[plan.read_seqs, :, : plan.read_len]
-            values = cache.v[plan.read_seqs, :, : plan.read_len]
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2).to(keys.dtype),
-            keys,
-            values,
-            attn_mask=plan.masks[self.window],
-            scale=cfg.attn_scale,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )
+            attn = F.scaled_dot_product_attention(
+                qt,
+                cache.k[plan.read_seqs, :, : plan.read_len],
+                cache.v[plan.read_seqs, :, : plan.read_len],
+                attn_mask=plan.masks[self.window], scale=cfg.attn_scale, enable_gqa=gqa,
+            )
         attn = self.o(attn.transpose(1, 2).reshape(B, T, self.q_size).to(x.dtype)).to(x.dtype)
         if cfg.sandwich_norms:
             attn = self.post_attn_norm(attn)
