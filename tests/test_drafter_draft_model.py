@@ -1,6 +1,7 @@
 """Draft-model drafter: greedy identity through the engine (the target drafting for itself must be
-accepted in full: a check of the cache rollback), batching, seeds, the q rows it reports, draws that
-follow them, vocab alignment, construction errors, and DraftLM against a cache-free recomputation."""
+accepted in full; a noisy copy's drafts must equal a cache-free recomputation, rejections and all),
+batching, seeds, the q rows it reports and draws that follow them, vocab alignment, construction
+errors, and DraftLM's rollback and growth against a cache-free recomputation."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def test_greedy_identity(draft, k):
     assert stats.num_draft_tokens > 0
     if draft == "self":
         # Same model, same context: every draft is the target's own argmax, unless the draft
-        # cache kept a rejected token's KV or lost a committed one.
+        # cache lost or misplaced a committed token (such as the never-fed last draft token).
         assert all(o.spec.acceptance_rate == 1.0 for o in out)
         assert stats.mean_acceptance_length > 1 + 0.5 * k
     if draft == "noisy":

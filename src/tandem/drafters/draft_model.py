@@ -20,10 +20,11 @@ from tandem.model.runner import ModelRunner, SeqInput
 from tandem.sampling import NonFiniteLogitsError, processed_probs, sample
 from tandem.types import Draft
 
-# TargetInfo carries no context length or batch size: size the draft cache like the engine's
-# defaults (EngineConfig.max_model_len, max_num_seqs); rows are doubled when more requests run.
+# TargetInfo carries no context length or batch size: the draft cache holds the engine's default
+# context (EngineConfig.max_model_len) and starts with one row, doubled whenever all are taken, so
+# its memory follows the number of concurrent requests.
 DRAFT_MAX_LEN = 2048
-DRAFT_MAX_SEQS = 8
+DRAFT_INITIAL_SEQS = 1
 # Catch-ups longer than this (first-round prefills) run in their own forward, so that the usual
 # one- or two-token catch-ups of running requests are not padded to a prompt's length.
 LONG_CATCH_UP = 16
@@ -70,7 +71,7 @@ class DraftLM:
     """A draft model on its own KV cache, extending many requests' contexts in lockstep."""
 
     def __init__(self, loaded: LoadedModel, device: str, max_len: int = DRAFT_MAX_LEN,
-                 max_seqs: int = DRAFT_MAX_SEQS) -> None:
+                 max_seqs: int = DRAFT_INITIAL_SEQS) -> None:
         self.loaded = loaded
         self.cache = KVCache(loaded.config, max_seqs, max_len, loaded.dtype, device)
         self.runner = ModelRunner(loaded.model, self.cache)
@@ -128,7 +129,7 @@ class DraftLM:
         """Twice the rows, keeping every row's contents and index (only called when all are taken)."""
         old = self.cache
         n = old.max_seqs
-        new = KVCache(self.loaded.config, 2 * n, old.max_len, old.k.dtype, old.k.device)
+        new = KVCache(self.loaded.config, 2 * n, old.max_len, self.loaded.dtype, old.k.device)
         for _ in range(n):  # a fresh cache hands out rows 0, 1, ...: the same ids the full one uses
             new.allocate()
         new.k[:, :n] = old.k
@@ -221,8 +222,8 @@ class DraftModelDrafter(Drafter):
                     q_rows[i].append(F.pad(q, (0, self.target.vocab_size - q.shape[-1])))
             return tokens
 
-        requests = [(inp.request_id, self._draft_ids(inp.token_ids), min(self.spec.num_draft_tokens, inp.max_draft_tokens))
-                    for inp in batch]
+        k = self.spec.num_draft_tokens
+        requests = [(inp.request_id, self._draft_ids(inp.token_ids), min(k, inp.max_draft_tokens)) for inp in batch]
         drafted = self.lm.extend(requests, choose)
         return [
             Draft(tokens, torch.cat(q_rows[i]) if q_rows[i] else None)
@@ -234,7 +235,7 @@ class DraftModelDrafter(Drafter):
 
     def _draft_ids(self, ids: list[int]) -> list[int]:
         draft_vocab = self.lm.loaded.config.vocab_size
-        if max(ids) < draft_vocab:
+        if not ids or max(ids) < draft_vocab:
             return ids
         return [t if t < draft_vocab else self.stand_in for t in ids]
 
