@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,7 +176,8 @@ def _identity(reference: list[Run], other: list[Run], cases: list[SpecCase]) -> 
             pos = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
                        min(len(a.token_ids), len(b.token_ids)))
             diffs.append({"index": i, "category": cases[i].category, "question_id": cases[i].question_id,
-                          "first_difference": pos})
+                          "first_difference": pos, "reference_tokens": a.token_ids[pos : pos + 8],
+                          "other_tokens": b.token_ids[pos : pos + 8]})
     return {"mismatches": len(diffs), "prompts": len(reference), "details": diffs}
 
 
@@ -252,11 +254,18 @@ def bench_spec(args) -> dict:
     print(f"{len(cases)} Spec-Bench prompts ({args.per_category} per category), greedy, batch 1, up to "
           f"{args.max_new_tokens} new tokens; tandem {loaded.quantization}/{str(loaded.dtype).replace('torch.', '')}, "
           f"k = {args.num_draft_tokens}" + ("" if hf_model is None else f"; transformers fp32, PLD {args.hf_pld_tokens} tokens"))
-    report = run_spec_bench(
-        loaded, cases, methods=args.methods, num_draft_tokens=args.num_draft_tokens,
-        max_new_tokens=args.max_new_tokens, hf_model=hf_model, hf_pld_tokens=args.hf_pld_tokens,
-        warmup_ids=warmup_ids,
-    )
+    # The engine's periodic "poor drafter" warnings would break up the progress bar; tau is in the table.
+    engine_log = logging.getLogger("tandem.engine")
+    level = engine_log.level
+    engine_log.setLevel(logging.ERROR)
+    try:
+        report = run_spec_bench(
+            loaded, cases, methods=args.methods, num_draft_tokens=args.num_draft_tokens,
+            max_new_tokens=args.max_new_tokens, hf_model=hf_model, hf_pld_tokens=args.hf_pld_tokens,
+            warmup_ids=warmup_ids,
+        )
+    finally:
+        engine_log.setLevel(level)
     report["wall_seconds"] = round(time.perf_counter() - t0, 1)
     print_table(report)
     print_identity(report)
@@ -305,7 +314,8 @@ def print_identity(report: dict) -> None:
     print("greedy identity vs tandem plain (prompts with different token ids): " + (", ".join(parts) or "-"))
     for m, v in report["identity"].items():
         for d in v["details"]:
-            print(f"  MISMATCH {m}: {d['category']} question {d['question_id']}, first difference at token {d['first_difference']}")
+            print(f"  MISMATCH {m}: {d['category']} question {d['question_id']}, first difference at token "
+                  f"{d['first_difference']}: plain {d['reference_tokens']} vs {m} {d['other_tokens']}")
     hf = report.get("identity_transformers_pld")
     if hf:
         print(f"transformers PLD vs its plain generate: {hf['mismatches']}/{hf['prompts']} prompts differ")
