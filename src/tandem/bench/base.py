@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.prompts import spec_bench_prompts
-from tandem.config import EngineConfig, SamplingParams
+from tandem.config import SamplingParams
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 
@@ -217,12 +217,16 @@ def bench_base(args) -> dict:
               "results": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]}
     print_table(report)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+        save_report(report, args.out)
     if args.plot:
         plot_cost_curves(report, args.plot)
     return report
+
+
+def save_report(report: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
 
 
 def print_table(report: dict) -> None:

@@ -12,7 +12,6 @@ noise lands on all of them alike.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -271,9 +270,9 @@ def bench_spec(args) -> dict:
     print_identity(report)
     print(f"total wall time {report['wall_seconds']:.0f} s")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+        from tandem.bench.base import save_report
+
+        save_report(report, args.out)
     if args.plot:
         plot_spec(report, args.plot)
     return report
