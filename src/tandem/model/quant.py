@@ -70,6 +70,21 @@ def _as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features).to(torch.bfloat16).contiguous()
 
 
+def _weight_only_forward(layer: nn.Module, x: torch.Tensor, device: torch.device, cpu_kernel) -> torch.Tensor:
+    """[..., in] -> [..., out] in bf16 through a CPU kernel on 2-D rows; elsewhere (CUDA) the
+    dequantised weight with F.linear, after a one-time warning."""
+    lead = x.shape[:-1]
+    x2 = _as_rows(x, layer.in_features)
+    if device.type == "cpu":
+        y = cpu_kernel(x2)
+    else:
+        _warn_fallback_once(type(layer).__name__, device)
+        y = F.linear(x2, layer.dequantize(torch.bfloat16))
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.reshape(*lead, layer.out_features)
+
+
 class Int4Linear(nn.Module):
     """y = x W^T + b with W stored as 4-bit codes, one bf16 scale and zero per group of inputs.
 
@@ -171,18 +186,8 @@ class Int4Linear(nn.Module):
         return ((self.codes().float() - 8.0) * scale + zero).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = _as_rows(x, self.in_features)
-        if self.packed.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.packed, self.group_size, self.scales_and_zeros
-            )[:, : self.out_features]
-        else:
-            _warn_fallback_once("Int4Linear", self.packed.device)
-            y = F.linear(x2, self.dequantize(torch.bfloat16))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return _weight_only_forward(self, x, self.packed.device, lambda x2: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed, self.group_size, self.scales_and_zeros)[:, : self.out_features])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -225,16 +230,8 @@ class Int8Linear(nn.Module):
         return (self.weight.float() * self.scales.float()[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = _as_rows(x, self.in_features)
-        if self.weight.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
-        else:
-            _warn_fallback_once("Int8Linear", self.weight.device)
-            y = F.linear(x2, self.dequantize(torch.bfloat16))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return _weight_only_forward(self, x, self.weight.device,
+                                    lambda x2: torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
