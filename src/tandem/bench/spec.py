@@ -156,7 +156,7 @@ def _summary(picked: list[Run], baseline: dict | None) -> dict:
         stats.merge(r.spec)
     row = {
         "tokens": tokens,
-        "seconds": round(seconds, 4),
+        "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
         "tau": stats.mean_acceptance_length,
         "acceptance_rate": stats.acceptance_rate,
