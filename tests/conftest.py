@@ -78,6 +78,17 @@ class ToyTokenizer:
         return "".join(f"<{i}>" for i in ids if not (skip_special_tokens and i == self.eos_token_id))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine every
+    parallel region can wait a whole scheduler slice for a busy core (measured 10-60x slower).
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def toy_tokenizer():
     return ToyTokenizer()

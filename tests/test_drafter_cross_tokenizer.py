@@ -29,14 +29,7 @@ TEXTS = ["the cat sat on the mat.", "hello there", "a, b, and c"]
 GREEDY = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine every
-    parallel region can wait a whole scheduler slice for a busy core (measured 60x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def toy_tokenizer(tokens: list[str], merges=(), specials=(), metaspace=False):

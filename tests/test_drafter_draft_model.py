@@ -30,14 +30,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
 TARGET = TargetInfo(vocab_size=97, eos_token_ids=(2,))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine every
-    parallel region can wait a whole scheduler slice for a busy core (measured 60x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def as_loaded(model: TransformerLM, name: str, tokenizer=None) -> LoadedModel:

@@ -30,14 +30,7 @@ CALLS = 5  # 100k simulated rounds per scenario
 ALPHA = 1e-4  # fixed seeds make each check deterministic; this only guards against an unlucky seed
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Vocab-12 tensors gain nothing from intra-op threads, and on a busy 2-core machine their
-    # synchronisation made these tests 10-20x slower (measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def noise(rows: int, seed: int, scale: float) -> torch.Tensor:
