@@ -145,8 +145,9 @@ class ModelRunner:
             for b, n in enumerate(lens):
                 valid[b, :n] = True
         plan = AttentionPlan(
-            write_seq=torch.tensor([i.seq for i, n in zip(inputs, lens) for _ in range(n)], device=device),
-            write_slot=torch.tensor([s + t for s, n in zip(starts, lens) for t in range(n)], device=device),
+            # B = 1 writes through a plain slice (write_fast); flat coordinates only for batches.
+            write_seq=None if B == 1 else torch.tensor([i.seq for i, n in zip(inputs, lens) for _ in range(n)], device=device),
+            write_slot=None if B == 1 else torch.tensor([s + t for s, n in zip(starts, lens) for t in range(n)], device=device),
             valid=valid,
             write_fast=(inputs[0].seq, starts[0]) if B == 1 else None,
             cos=cos,

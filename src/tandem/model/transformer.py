@@ -88,14 +88,14 @@ class AttentionSegment:
 class AttentionPlan:
     """Per-forward attention structure, shared by all layers (built once by the runner).
 
-    write_seq / write_slot: flat [N] cache coordinates of the N valid new tokens; write_fast is
-    (seq, start) when B = 1 so the write is a plain slice. cos/sin[rope_index]: [B, T, 1, D].
+    write_seq / write_slot: flat [N] cache coordinates of the N valid new tokens (B > 1);
+    write_fast is (seq, start) when B = 1 so the write is a plain slice. cos/sin[rope_index]: [B, T, 1, D].
     Chains run as `segments` (one attention call each, see ModelRunner.forward); trees run as one
     padded call over cache rows read_seqs with masks[window] [B, 1, T, read_len].
     """
 
-    write_seq: torch.Tensor
-    write_slot: torch.Tensor
+    write_seq: torch.Tensor | None
+    write_slot: torch.Tensor | None
     valid: torch.Tensor | None  # [B, T] bool, None when no padding
     write_fast: tuple[int, int] | None
     cos: list[torch.Tensor]
