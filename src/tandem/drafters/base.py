@@ -76,6 +76,12 @@ class Drafter(ABC):
     needs: DrafterNeeds = DrafterNeeds()
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
+        # SpecConfig validates this too; checked here so a duck-typed spec cannot slip through.
+        if spec.num_draft_tokens < 1:
+            raise ValueError(
+                f"{getattr(self, 'method_name', type(self).__name__)} drafter needs num_draft_tokens >= 1, "
+                f"got {spec.num_draft_tokens}"
+            )
         self.spec = spec
         self.target = target
 

@@ -32,8 +32,6 @@ class CrossTokenizerDrafter(Drafter):
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
         super().__init__(spec, target)
-        if spec.num_draft_tokens < 1:
-            raise ValueError(f"cross_tokenizer drafter needs num_draft_tokens >= 1, got {spec.num_draft_tokens}")
         if not spec.draft_model_path:
             raise ValueError("cross_tokenizer drafter needs a draft model: set draft_model_path (speculative_draft_model_path)")
         # Re-encoding needs character offsets, which only the Rust-backed tokenizers report.

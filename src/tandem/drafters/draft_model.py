@@ -183,8 +183,6 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
         super().__init__(spec, target)
-        if spec.num_draft_tokens < 1:
-            raise ValueError(f"draft_model drafter needs num_draft_tokens >= 1, got {spec.num_draft_tokens}")
         if not spec.draft_model_path:
             raise ValueError("draft_model drafter needs a draft model: set draft_model_path (speculative_draft_model_path)")
         loaded = load_draft_model(spec.draft_model_path, target)

@@ -42,9 +42,6 @@ class NgramDrafter(Drafter):
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
         super().__init__(spec, target)
-        # SpecConfig validates these too; repeated so a duck-typed spec cannot slip through.
-        if spec.num_draft_tokens < 1:
-            raise ValueError(f"ngram drafter needs num_draft_tokens >= 1, got {spec.num_draft_tokens}")
         if not 1 <= spec.ngram_min <= spec.ngram_max:
             raise ValueError(
                 f"ngram drafter needs 1 <= ngram_min <= ngram_max, got {spec.ngram_min}..{spec.ngram_max}"

@@ -261,8 +261,6 @@ class SuffixDrafter(Drafter):
         max_global_nodes: int = 1 << 18,
     ) -> None:
         super().__init__(spec, target)
-        if spec.num_draft_tokens < 1:
-            raise ValueError(f"suffix drafter needs num_draft_tokens >= 1, got {spec.num_draft_tokens}")
         if max_match_len < 1:
             raise ValueError(f"max_match_len must be >= 1, got {max_match_len}")
         if spec_factor < 0:
