@@ -71,6 +71,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    graded_per_position: list[int] = field(default_factory=list)
     num_forwards: int = 0
     num_committed_tokens: int = 0
 
@@ -87,6 +88,12 @@ class SpecStats:
             self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+        # Position i is graded when every earlier draft token passed; the first rejection ends it.
+        graded = min(drafted, accepted + 1)
+        if len(self.graded_per_position) < graded:
+            self.graded_per_position.extend([0] * (graded - len(self.graded_per_position)))
+        for i in range(graded):
+            self.graded_per_position[i] += 1
 
     def merge(self, other: "SpecStats") -> None:
         self.num_drafts += other.num_drafts
@@ -94,12 +101,8 @@ class SpecStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_forwards += other.num_forwards
         self.num_committed_tokens += other.num_committed_tokens
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        self.accepted_per_position = [
-            (self.accepted_per_position[i] if i < len(self.accepted_per_position) else 0)
-            + (other.accepted_per_position[i] if i < len(other.accepted_per_position) else 0)
-            for i in range(n)
-        ]
+        self.accepted_per_position = _add_counts(self.accepted_per_position, other.accepted_per_position)
+        self.graded_per_position = _add_counts(self.graded_per_position, other.graded_per_position)
 
     @property
     def acceptance_rate(self) -> float:
@@ -109,6 +112,11 @@ class SpecStats:
     def mean_acceptance_length(self) -> float:
         return self.num_committed_tokens / self.num_forwards if self.num_forwards else 0.0
 
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft token i passes | tokens before it passed), from the rounds that graded it."""
+        return [a / g if g else 0.0 for a, g in zip(self.accepted_per_position, self.graded_per_position)]
+
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,
@@ -117,8 +125,14 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_per_position": [round(a, 4) for a in self.acceptance_per_position],
             "num_target_forwards": self.num_forwards,
         }
+
+
+def _add_counts(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
 @dataclass

@@ -1,0 +1,125 @@
+"""When speculation pays: expected acceptance length, forward cost curves and the best draft length.
+
+Pure Python math shared by the serving policy (per step) and the advisor (offline). A draft of k
+tokens costs one target forward over k + 1 tokens per request; with B requests in the batch the
+target runs B * (k + 1) tokens where plain decoding runs B. Speculation pays when the tokens it
+commits per forward (tau) outgrow that cost ratio:
+
+    speedup(k, B) = tau(k) * cost(B) / (cost(B * (k + 1)) + draft_cost(k))
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+def expected_tau(acceptance: Sequence[float], k: int) -> float:
+    """Tokens committed per target forward with k draft tokens, from the conditional acceptance
+    per position (acceptance[i] = P(token i passes | tokens before it passed)); positions past the
+    profile reuse its last value. Includes the recovered/bonus token, so tau >= 1."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    tau, reach = 1.0, 1.0
+    for i in range(k):
+        a = acceptance[min(i, len(acceptance) - 1)] if acceptance else 0.0
+        reach *= a
+        tau += reach
+    return tau
+
+
+def expected_tau_uniform(alpha: float, k: int) -> float:
+    """The same with one acceptance rate alpha at every position: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Measured seconds of one target forward over n new tokens, interpolated linearly between
+    measured sizes and extrapolated with the slope of the last two beyond them."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.seconds) or not self.sizes:
+            raise ValueError("a cost curve needs one time per size and at least one point")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"sizes must be distinct, increasing and >= 1, got {self.sizes}")
+        if any(not (math.isfinite(s) and s > 0) for s in self.seconds):
+            raise ValueError(f"times must be positive, got {self.seconds}")
+
+    @classmethod
+    def from_points(cls, points: dict[int, float]) -> "CostCurve":
+        sizes = tuple(sorted(int(n) for n in points))
+        return cls(sizes, tuple(float(points[n]) for n in sizes))
+
+    def as_points(self) -> dict[int, float]:
+        return dict(zip(self.sizes, self.seconds))
+
+    def __call__(self, n: int) -> float:
+        if n < 1:
+            raise ValueError(f"a forward covers >= 1 token, got {n}")
+        xs, ys = self.sizes, self.seconds
+        if len(xs) == 1:
+            return ys[0] * n / xs[0] if n > xs[0] else ys[0]
+        if n <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_left(xs, n)
+        if i < len(xs) and xs[i] == n:
+            return ys[i]
+        lo, hi = (i - 1, i) if i < len(xs) else (len(xs) - 2, len(xs) - 1)
+        slope = (ys[hi] - ys[lo]) / (xs[hi] - xs[lo])
+        return max(ys[lo] + slope * (n - xs[lo]), ys[0])
+
+
+DraftCost = Callable[[int, int], float]
+"""(k, batch) -> seconds the drafter spends proposing k tokens for each of `batch` requests."""
+
+
+def no_draft_cost(k: int, batch: int) -> float:
+    return 0.0
+
+
+def speedup(tau: float, k: int, batch: int, curve: CostCurve, draft_cost: DraftCost = no_draft_cost) -> float:
+    """Tokens/s with k draft tokens per request over tokens/s of plain decoding, at this batch."""
+    if k == 0:
+        return 1.0
+    return tau * curve(batch) / (curve(batch * (k + 1)) + draft_cost(k, batch))
+
+
+def best_k(
+    acceptance: Sequence[float],
+    curve: CostCurve,
+    batch: int = 1,
+    k_max: int = 8,
+    draft_cost: DraftCost = no_draft_cost,
+) -> tuple[int, float]:
+    """(k, predicted speedup) maximising speedup for k in 0..k_max; k = 0 (speedup 1) when no
+    draft length beats plain decoding."""
+    best = (0, 1.0)
+    for k in range(1, k_max + 1):
+        s = speedup(expected_tau(acceptance, k), k, batch, curve, draft_cost)
+        if s > best[1]:
+            best = (k, s)
+    return best
+
+
+def break_even_batch(
+    acceptance: Sequence[float],
+    curve: CostCurve,
+    k_max: int = 8,
+    max_batch: int = 256,
+    draft_cost: DraftCost = no_draft_cost,
+) -> int | None:
+    """The smallest batch at which no draft length beats plain decoding (None: it pays up to max_batch)."""
+    for batch in range(1, max_batch + 1):
+        if best_k(acceptance, curve, batch, k_max, draft_cost)[0] == 0:
+            return batch
+    return None
