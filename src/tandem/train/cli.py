@@ -1,0 +1,171 @@
+"""`tandem train`: prompts -> self-distilled answers -> captured hidden states -> a trained head in --out.
+
+Every stage is cached under --data-dir and resumable, so the command can be stopped and rerun
+(with --resume for the optimisation) across sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+log = logging.getLogger("tandem.train")
+
+RECORD = "training_record.json"
+
+
+def default_prompt_files() -> list[Path]:
+    """The training prompt sets shipped with tandem (see src/tandem/data/SOURCES.md)."""
+    return sorted((Path(__file__).resolve().parents[1] / "data" / "train").glob("*.json*"))
+
+
+def add_train_parser(sub) -> None:
+    from tandem.config import DEVICES
+    from tandem.model.loader import DEFAULT_MODEL
+
+    p = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3, mtp, draft_model) for a target",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=DEFAULT_MODEL, help="the target model (built-in name, HF directory or .gguf)")
+    p.add_argument("--method", required=True, help="draft-head method (medusa, eagle, eagle3, mtp, draft_model)")
+    p.add_argument("--prompts", nargs="+", default=None,
+                   help="prompt files (.json/.jsonl: turns, question, instruction/input, prompt, or JSON strings); "
+                        "default: the training sets shipped in tandem/data/train")
+    p.add_argument("--out", required=True, help="directory for checkpoints, metrics and the exported head")
+    p.add_argument("--data-dir", default=None,
+                   help="cache of answers and hidden states (default: $TANDEM_CACHE_DIR/train/<target>)")
+    p.add_argument("--num-prompts", type=int, default=1000, help="training prompts (after the held-out ones)")
+    p.add_argument("--held-out", type=int, default=48, help="prompts kept out of training for evaluation")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="length bound of the target's answers")
+    p.add_argument("--temperature", type=float, default=0.0, help="temperature of the target's answers (0 = greedy)")
+    p.add_argument("--generation-batch", type=int, default=32, help="prompts the engine answers together")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--max-minutes", type=float, default=None, help="wall-time budget of this run (then checkpoint)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--eval-k", type=int, default=5, help="draft positions scored by the held-out evaluation")
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="dtype of the exported weights (bfloat16 halves the file)")
+    g = p.add_argument_group("method options (passed to the head; see README)")
+    g.add_argument("--num-heads", type=int, default=None, help="medusa heads / mtp modules")
+    g.add_argument("--draft-vocab-size", type=int, default=None, help="eagle3 reduced draft vocabulary")
+    g.add_argument("--num-layers", type=int, default=None, help="draft_model decoder layers")
+    g.add_argument("--head-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other constructor option of the head (VALUE parsed as JSON when it parses)")
+    p.set_defaults(func=cmd_train)
+
+
+def method_options(args) -> dict:
+    options = {k: v for k, v in (("num_heads", args.num_heads), ("draft_vocab_size", args.draft_vocab_size),
+                                 ("num_layers", args.num_layers)) if v is not None}
+    for item in args.head_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--head-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.replace("-", "_")] = value
+    return options
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(name).name) or "model"
+
+
+def _capture_dir(answers_dir: Path, layers: tuple[int, ...]) -> Path:
+    """An existing capture holding every needed layer (a superset), else a new one for `layers`."""
+    for meta in sorted(answers_dir.glob("capture-*/meta.json")):
+        have = set(json.loads(meta.read_text())["layers"])
+        if set(layers) <= have:
+            return meta.parent
+    return answers_dir / ("capture-" + "_".join(map(str, layers)))
+
+
+def cmd_train(args) -> int:
+    import torch
+
+    from tandem.drafters.heads.base import TargetParts
+    from tandem.drafters.heads.io import build_head, save_head
+    from tandem.llm import LLM
+    from tandem.model.loader import cache_root
+    from tandem.train.data import CapturedData, DistillConfig, capture, distill, load_prompts, sequences
+    from tandem.train.trainer import CHECKPOINT, TrainConfig, train
+
+    t_start = time.perf_counter()
+    cfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+        eval_k=args.eval_k, max_minutes=args.max_minutes, seed=args.seed, device=args.device,
+    )
+    options = method_options(args)
+    if args.resume and not (Path(args.out) / CHECKPOINT).exists():
+        raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
+    files = [Path(f) for f in args.prompts] if args.prompts else default_prompt_files()
+    split = load_prompts(files, num_prompts=args.num_prompts, held_out=args.held_out, seed=args.seed)
+
+    # 1. Self-distillation in the target's serving configuration (the distribution drafts are verified against).
+    llm = LLM(args.target, device=args.device, max_num_seqs=args.generation_batch, max_model_len=1024)
+    loaded = llm.loaded
+    dcfg = DistillConfig(target=loaded.name, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    data_dir = Path(args.data_dir) if args.data_dir else cache_root() / "train" / _slug(loaded.name)
+    answers_dir = data_dir / f"answers-t{args.temperature:g}-n{args.max_new_tokens}-s{args.seed}"
+    records = distill(llm, split.held_out + split.train, answers_dir, dcfg, shard_size=args.generation_batch)
+    held_records, train_records = records[: len(split.held_out)], records[len(split.held_out):]
+    del llm  # frees the engine's KV cache; the loaded model stays for capture
+
+    # 2. The head, and the hidden states it needs.
+    torch.manual_seed(args.seed)
+    target = TargetParts.from_loaded(loaded)
+    try:
+        head = build_head(args.method, target, **options)
+    except TypeError as err:
+        raise ValueError(f"--method {args.method} does not take options {sorted(options)}: {err}") from err
+    layers = tuple(head.hidden_layers)
+    cap_dir = _capture_dir(answers_dir, layers)
+    cap_layers = tuple(json.loads((cap_dir / "meta.json").read_text())["layers"]) if (cap_dir / "meta.json").exists() else layers
+    train_paths = capture(loaded, sequences(train_records), cap_dir / "train", cap_layers, desc="capture (train)")
+    held_paths = capture(loaded, sequences(held_records), cap_dir / "held_out", cap_layers, desc="capture (held out)")
+    data, held = CapturedData(train_paths, layers), CapturedData(held_paths, layers)
+
+    # 3. Optimise, evaluate, export.
+    result = train(head, target, data, held, cfg, args.out, resume=args.resume)
+    record = {
+        "target": loaded.name,
+        "method": args.method,
+        "method_options": options,
+        "data": {
+            "prompt_files": [f.name for f in files],
+            "train_prompts": len(split.train),
+            "held_out_prompts": len(split.held_out),
+            "train_sequences": data.num_sequences,
+            "train_answer_tokens": sum(len(r["answer_ids"]) for r in train_records),
+            "held_out_sequences": held.num_sequences,
+            "distillation": asdict(dcfg),
+            "hidden_layers": list(layers),
+        },
+        "training": {**asdict(cfg), "steps_done": result.step, "finished": result.finished,
+                     "train_seconds": round(result.seconds, 1), "last_loss": result.last_loss},
+        "held_out": asdict(result.eval) if result.eval else None,
+        "command_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    dtype = torch.bfloat16 if args.export_dtype == "bfloat16" else torch.float32
+    save_head(head.cpu(), args.out, loaded.name, extra_record=record, dtype=dtype, tokenizer=loaded.tokenizer)
+    Path(args.out, RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    ev = result.eval
+    state = "finished" if result.finished else f"stopped at step {result.step}/{cfg.steps} (continue with --resume)"
+    print(f"{args.method} head for {loaded.name}: {state}; exported to {args.out}")
+    if ev is not None:
+        print(f"held-out ({ev.positions} positions): tau {ev.tau:.3f}, acceptance per position "
+              + " ".join(f"{a:.3f}" for a in ev.acceptance))
+    return 0

@@ -1,0 +1,389 @@
+"""Training data for draft heads: prompt files -> the target's own answers -> captured hidden states.
+
+Three stages, each cached on disk in shards and resumable (a rerun skips finished shards; a crash
+loses at most the shard in flight): `load_prompts` reads the prompt formats of the project's data
+files, `distill` lets the target answer them through tandem's engine (self-distillation: the drafter
+learns the distribution it is verified against), `capture` runs the target over prompt + answer and
+stores the hidden states of the layers the heads need (bf16 safetensors, so memory stays bounded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tandem.train")
+
+# The evaluation sets: a drafter trained on them would report inflated acceptance.
+EVAL_SET_MARKERS = ("spec_bench", "mt_bench")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+def _record_prompt(rec) -> str | None:
+    """One record of any supported format -> the user prompt (None when it has no usable text).
+
+    Formats: a bare JSON string (oasst prompt lottery); {"turns": [...]} (first user turn);
+    {"question"} (gsm8k); {"instruction", "input"} (gpteacher); {"instruction", "instances":
+    [{"input"}]} (self-instruct); {"prompt": {"text"}} (oasst message trees); {"prompt": str}.
+    """
+    if isinstance(rec, str):
+        return rec
+    if not isinstance(rec, dict):
+        return None
+    if isinstance(rec.get("turns"), list) and rec["turns"]:
+        return rec["turns"][0]
+    if isinstance(rec.get("question"), str):
+        return rec["question"]
+    if isinstance(rec.get("instruction"), str):
+        extra = rec.get("input")
+        if extra is None and rec.get("instances"):
+            extra = rec["instances"][0].get("input")
+        return rec["instruction"] + (f"\n\n{extra}" if extra else "")
+    prompt = rec.get("prompt")
+    if isinstance(prompt, dict) and isinstance(prompt.get("text"), str):
+        return prompt["text"]
+    if isinstance(prompt, str):
+        return prompt
+    return None
+
+
+def read_prompt_file(path: str | Path) -> list[str]:
+    """All prompts of one .json (a list of records) or .jsonl (one record per line) file."""
+    path = Path(path)
+    if any(m in path.name.lower() for m in EVAL_SET_MARKERS):
+        raise ValueError(
+            f"{path.name} is an evaluation set (Spec-Bench / MT-Bench); training on it would inflate the "
+            "benchmark. Use the training prompt sets (see src/tandem/data/SOURCES.md)."
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        records = json.loads(text)
+        if not isinstance(records, list):
+            raise ValueError(f"{path}: a .json prompt file must hold a list of records")
+    else:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    prompts = [p.strip() for p in map(_record_prompt, records) if p and p.strip()]
+    if not prompts:
+        raise ValueError(
+            f"{path}: no prompts found; records need one of: a JSON string, 'turns', 'question', "
+            "'instruction' (+ 'input'/'instances'), 'prompt'"
+        )
+    return prompts
+
+
+@dataclass(frozen=True)
+class PromptSplit:
+    train: list[str]
+    held_out: list[str]
+
+
+def load_prompts(paths: list[str | Path], num_prompts: int | None = None, held_out: int = 32, seed: int = 0) -> PromptSplit:
+    """Read, deduplicate (whitespace/case-insensitive), shuffle deterministically by `seed`, split.
+
+    Each file is shuffled on its own and the files are interleaved round-robin, so a small
+    `num_prompts` still mixes every file's kind of prompt (gsm8k alone has 7.5k records). The
+    held-out prompts come first, so growing `num_prompts` keeps the same held-out set and extends
+    the training set.
+    """
+    if held_out < 0:
+        raise ValueError(f"held_out must be >= 0, got {held_out}")
+    rng = random.Random(seed)
+    per_file = []
+    for path in paths:
+        prompts = read_prompt_file(path)
+        rng.shuffle(prompts)
+        per_file.append(prompts)
+    seen, prompts = set(), []
+    for i in range(max(map(len, per_file), default=0)):
+        for file_prompts in per_file:
+            if i < len(file_prompts):
+                key = " ".join(file_prompts[i].lower().split())
+                if key not in seen:
+                    seen.add(key)
+                    prompts.append(file_prompts[i])
+    if len(prompts) <= held_out:
+        raise ValueError(f"{len(prompts)} distinct prompts cannot leave {held_out} held out; add prompt files")
+    rest = prompts[held_out:]
+    if num_prompts is not None:
+        rest = rest[:num_prompts]
+    return PromptSplit(train=rest, held_out=prompts[:held_out])
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-distillation
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """How the target answers the prompts. Stored with the cache: a cache made under other
+    settings is refused rather than silently mixed."""
+
+    target: str
+    max_new_tokens: int = 160
+    temperature: float = 0.0
+    seed: int = 0
+    chat: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+def prompt_key(prompt: str) -> str:
+    return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:16]
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _check_meta(directory: Path, meta: dict) -> None:
+    file = directory / "meta.json"
+    if file.exists():
+        old = json.loads(file.read_text())
+        if old != meta:
+            raise ValueError(
+                f"{directory} was made with {old}, not {meta}; use another --out (or delete it) to change settings"
+            )
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(file, lambda p: p.write_text(json.dumps(meta, indent=1)))
+
+
+def read_answers(directory: str | Path) -> list[dict]:
+    """Every finished record of a distillation cache, shard by shard."""
+    out = []
+    for shard in sorted(Path(directory).glob("answers-*.jsonl")):
+        out.extend(json.loads(line) for line in shard.read_text().splitlines() if line)
+    return out
+
+
+def distill(llm, prompts: list[str], directory: str | Path, cfg: DistillConfig, shard_size: int = 32) -> list[dict]:
+    """Answer every prompt with the target (batched through the engine); return the records.
+
+    Records {"key", "prompt_ids", "answer_ids", "finish_reason"} go to answers-NNNNN.jsonl shards,
+    each written atomically once its prompts are done, so an interrupted run resumes at the first
+    unfinished shard and never redoes a finished prompt.
+    """
+    from tqdm.auto import tqdm
+
+    from tandem.config import SamplingParams
+
+    directory = Path(directory)
+    _check_meta(directory, asdict(cfg))
+    done = {r["key"]: r for r in read_answers(directory)}
+    todo = [p for p in prompts if prompt_key(p) not in done]
+    next_shard = len(list(directory.glob("answers-*.jsonl")))
+    chat = cfg.chat and getattr(llm.tokenizer, "chat_template", None) is not None
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distillation", unit="prompt", disable=None)
+    for start in range(0, len(todo), shard_size):
+        chunk = todo[start : start + shard_size]
+        # Per-prompt seeds: a resumed run samples exactly what an uninterrupted one would.
+        params = [
+            SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                           seed=None if cfg.temperature == 0 else cfg.seed * 1_000_003 + int(prompt_key(p), 16) % 1_000_003)
+            for p in chunk
+        ]
+        # Prompts too long for a full-length answer in the context are recorded as skipped (done).
+        ids = [llm.encode(p, chat) for p in chunk]
+        fits = [i for i, x in enumerate(ids) if len(x) + cfg.max_new_tokens <= llm.config.max_model_len]
+        outputs = dict(zip(fits, llm.generate([ids[i] for i in fits], [params[i] for i in fits]))) if fits else {}
+        records = [
+            {"key": prompt_key(p), "prompt_ids": o.prompt_token_ids, "answer_ids": o.token_ids, "finish_reason": o.finish_reason}
+            if (o := outputs.get(i)) is not None
+            else {"key": prompt_key(p), "prompt_ids": ids[i], "answer_ids": [], "finish_reason": "skipped: prompt too long"}
+            for i, p in enumerate(chunk)
+        ]
+        shard = directory / f"answers-{next_shard:05d}.jsonl"
+        _atomic_write(shard, lambda path: path.write_text("".join(json.dumps(r) + "\n" for r in records)))
+        next_shard += 1
+        for r in records:
+            done[r["key"]] = r
+        bar.update(len(chunk))
+    bar.close()
+    return [done[prompt_key(p)] for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden-state capture
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One self-distilled training sequence: prompt + the target's answer."""
+
+    key: str
+    token_ids: list[int]
+    prompt_len: int
+
+
+def sequences(records: list[dict]) -> list[Sequence]:
+    """Records with a non-empty answer -> sequences (skipped prompts drop out here)."""
+    return [Sequence(r["key"], r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in records if r["answer_ids"]]
+
+
+def capture(
+    loaded,
+    seqs: list[Sequence],
+    directory: str | Path,
+    layers: tuple[int, ...],
+    shard_size: int = 64,
+    batch_size: int = 8,
+    store_dtype: torch.dtype = torch.bfloat16,
+    desc: str = "capture",
+) -> list[Path]:
+    """Run the target over every sequence; store the hidden states of `layers` in shards.
+
+    Shard capture-NNNNN.safetensors holds, for its sequences concatenated: token_ids [N] int32,
+    offsets [S + 1] (sequence s is rows offsets[s]:offsets[s+1]), prompt_lens [S], and
+    hidden.<layer> [N, H] in `store_dtype`. Layer convention: i < L is decoder layer i's output,
+    L the final normed hidden state. Shards already on disk (same keys) are kept, so a rerun
+    resumes after the last finished shard.
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from tandem.model.kv_cache import KVCache
+    from tandem.model.runner import ModelRunner, SeqInput
+
+    directory = Path(directory)
+    layers = tuple(sorted(set(layers)))
+    L = loaded.config.num_layers
+    if any(not 0 <= layer <= L for layer in layers):
+        raise ValueError(f"hidden layers must lie in [0, {L}] for {loaded.name}, got {layers}")
+    _check_meta(directory, {"target": loaded.name, "layers": list(layers), "dtype": str(store_dtype)})
+    shards = [seqs[i : i + shard_size] for i in range(0, len(seqs), shard_size)]
+    paths = [directory / f"capture-{i:05d}.safetensors" for i in range(len(shards))]
+    todo = [i for i, (chunk, path) in enumerate(zip(shards, paths)) if _shard_keys(path) != [s.key for s in chunk]]
+    if not todo:
+        return paths
+    device = loaded.model.embed.device
+    max_len = max(len(s.token_ids) for i in todo for s in shards[i])
+    cache = KVCache(loaded.config, batch_size, max_len, loaded.dtype, device)
+    runner = ModelRunner(loaded.model, cache)
+    bar = tqdm(total=sum(len(shards[i]) for i in todo), desc=desc, unit="seq", disable=None)
+    for i in todo:
+        chunk = shards[i]
+        hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+        for start in range(0, len(chunk), batch_size):
+            group = chunk[start : start + batch_size]
+            rows = [cache.allocate() for _ in group]
+            try:
+                out = runner.forward([SeqInput(r, s.token_ids) for r, s in zip(rows, group)], hidden_layers=layers)
+            finally:
+                for r in rows:
+                    cache.release(r)
+            for layer in layers:
+                hidden[layer].extend(h.to("cpu", store_dtype) for h in out.hidden[layer])
+            bar.update(len(group))
+        lengths = torch.tensor([len(s.token_ids) for s in chunk])
+        tensors = {
+            "token_ids": torch.tensor([t for s in chunk for t in s.token_ids], dtype=torch.int32),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+            "prompt_lens": torch.tensor([s.prompt_len for s in chunk]),
+            **{f"hidden.{layer}": torch.cat(hidden[layer]).contiguous() for layer in layers},
+        }
+        meta = {"keys": json.dumps([s.key for s in chunk])}
+        _atomic_write(paths[i], lambda p: save_file(tensors, str(p), metadata=meta))
+    bar.close()
+    return paths
+
+
+def _shard_keys(path: Path) -> list[str] | None:
+    if not path.exists():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["keys"])
+
+
+class CapturedData:
+    """Captured shards as training batches, one shard in memory at a time.
+
+    The batch order of an epoch is a pure function of (seed, epoch): shards in a shuffled order,
+    sequences shuffled within their shard. A resumed run therefore replays exactly the batches an
+    uninterrupted run would have seen from the same step on.
+    """
+
+    def __init__(self, paths: list[Path], layers: tuple[int, ...]) -> None:
+        from safetensors import safe_open
+
+        if not paths:
+            raise ValueError("no captured shards: the training set is empty (no prompt got an answer)")
+        self.paths, self.layers = list(paths), tuple(layers)
+        self.counts = []
+        for path in self.paths:
+            with safe_open(str(path), "pt") as f:
+                missing = [layer for layer in self.layers if f"hidden.{layer}" not in f.keys()]
+                if missing:
+                    raise ValueError(f"{path} has no hidden states of layers {missing}; capture them again")
+                self.counts.append(len(json.loads(f.metadata()["keys"])))
+        self._loaded: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(self.counts)
+
+    def epoch_plan(self, epoch: int, batch_size: int, seed: int) -> list[tuple[int, list[int]]]:
+        """[(shard index, sequence indices)] batches of one epoch."""
+        rng = random.Random(seed * 1_000_003 + epoch)
+        order = list(range(len(self.paths)))
+        rng.shuffle(order)
+        plan = []
+        for shard in order:
+            idx = list(range(self.counts[shard]))
+            rng.shuffle(idx)
+            plan.extend((shard, idx[i : i + batch_size]) for i in range(0, len(idx), batch_size))
+        return plan
+
+    def in_order(self, batch_size: int) -> list[tuple[int, list[int]]]:
+        """Every sequence once, in storage order (evaluation)."""
+        return [(s, list(range(i, min(i + batch_size, n)))) for s, n in enumerate(self.counts) for i in range(0, n, batch_size)]
+
+    def _shard(self, shard: int) -> dict[str, torch.Tensor]:
+        if self._loaded is None or self._loaded[0] != shard:
+            from safetensors.torch import load_file
+
+            self._loaded = (shard, load_file(str(self.paths[shard])))
+        return self._loaded[1]
+
+    def batch(self, shard: int, indices: list[int], device: str | torch.device = "cpu"):
+        """Right-padded TrainBatch (hidden states as float32) of the given sequences."""
+        from tandem.drafters.heads.base import TrainBatch
+
+        data = self._shard(shard)
+        offsets, prompt_lens = data["offsets"], data["prompt_lens"]
+        spans = [(int(offsets[i]), int(offsets[i + 1]), int(prompt_lens[i])) for i in indices]
+        B, T = len(spans), max(hi - lo for lo, hi, _ in spans)
+        token_ids = torch.zeros(B, T, dtype=torch.long)
+        loss_mask = torch.zeros(B, T, dtype=torch.bool)
+        hidden = {layer: torch.zeros(B, T, data[f"hidden.{layer}"].shape[-1]) for layer in self.layers}
+        for b, (lo, hi, p) in enumerate(spans):
+            n = hi - lo
+            token_ids[b, :n] = data["token_ids"][lo:hi].long()
+            # Position t learns to predict token t + 1 when that token belongs to the answer.
+            loss_mask[b, p - 1 : n - 1] = True
+            for layer in self.layers:
+                hidden[layer][b, :n] = data[f"hidden.{layer}"][lo:hi].float()
+        lengths = torch.tensor([hi - lo for lo, hi, _ in spans])
+        return TrainBatch(
+            token_ids.to(device), lengths.to(device), loss_mask.to(device),
+            {layer: h.to(device) for layer, h in hidden.items()},
+        )

@@ -1,0 +1,253 @@
+"""The training loop for draft heads: AdamW, warmup + cosine LR, clipping, checkpoints, held-out eval.
+
+Deterministic: the head's initial weights come from `seed`, the batch order from (seed, step), and a
+checkpoint carries the optimiser, schedule position and RNG states, so `resume` continues exactly
+where an uninterrupted run would be.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.drafters.heads.base import DraftHead, TargetParts
+from tandem.train.data import CapturedData
+
+log = logging.getLogger("tandem.train")
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.json"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings. warmup_steps None = 5% of `steps`; max_minutes bounds this run's
+    wall time (a checkpoint is written when it runs out; `resume` continues)."""
+
+    steps: int = 1000
+    batch_size: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    eval_k: int = 5
+    max_minutes: float | None = None
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
+        if self.eval_every < 1 or self.checkpoint_every < 1 or self.eval_k < 1:
+            raise ValueError("eval_every, checkpoint_every and eval_k must be >= 1")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible to torch; train with --device cpu")
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr for optimiser step `step` (0-based): linear warmup, then cosine
+    decay to min_lr_ratio at the last step."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class EvalResult:
+    """Held-out drafting quality, drafting k tokens from every answer position.
+
+    accuracy[i]: P(draft i correct); cumulative[i]: P(drafts 1..i all correct);
+    acceptance[i]: P(draft i correct | drafts before it correct), the per-position acceptance the
+    engine reports; tau = 1 + sum_i cumulative[i] (tokens per target forward, bonus included).
+    """
+
+    positions: int
+    accuracy: list[float]
+    cumulative: list[float]
+    acceptance: list[float]
+    tau: float
+
+    @classmethod
+    def from_correct(cls, correct: torch.Tensor) -> "EvalResult":
+        """correct: [N, k] bool from DraftHead.draft_accuracy."""
+        if correct.shape[0] == 0:
+            raise ValueError("held-out evaluation found no answer positions")
+        c = correct.float()
+        cum = torch.cumprod(c, dim=1).mean(0)
+        acc = c.mean(0)
+        prev = torch.cat([torch.ones(1), cum[:-1]])
+        accept = torch.where(prev > 0, cum / prev.clamp(min=1e-12), torch.zeros_like(cum))
+        r = lambda t: [round(float(x), 4) for x in t]  # noqa: E731
+        return cls(int(correct.shape[0]), r(acc), r(cum), r(accept), round(1 + float(cum.sum()), 4))
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, target: TargetParts, data: CapturedData, k: int, device: str, batch_size: int = 8) -> EvalResult:
+    was_training = head.training
+    head.eval()
+    parts = [head.draft_accuracy(data.batch(s, idx, device), target, k).cpu() for s, idx in data.in_order(batch_size)]
+    head.train(was_training)
+    return EvalResult.from_correct(torch.cat(parts))
+
+
+@dataclass
+class TrainResult:
+    step: int
+    finished: bool
+    seconds: float
+    last_loss: float | None
+    eval: EvalResult | None
+    history: list[dict] = field(default_factory=list)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train(
+    head: DraftHead,
+    target: TargetParts,
+    data: CapturedData,
+    held_out: CapturedData | None,
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    resume: bool = False,
+) -> TrainResult:
+    """Optimise head.training_loss for cfg.steps steps (or until max_minutes), checkpointing into
+    out_dir/checkpoint.pt and logging held-out evaluations into out_dir/metrics.json."""
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(cfg.device)
+    head.to(device).train()
+    params = [p for p in head.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"the {head.method} head has no trainable parameters")
+    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, cfg))
+    step, seconds_before, history = 0, 0.0, []
+    ckpt_path = out / CHECKPOINT
+    if resume:
+        if not ckpt_path.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; start without --resume")
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        if ckpt["method"] != head.method or ckpt["head_config"] != head.config_dict():
+            raise ValueError(
+                f"{ckpt_path} holds a {ckpt['method']} head {ckpt['head_config']}, not {head.method} "
+                f"{head.config_dict()}; use the same method options or another --out"
+            )
+        head.load_state_dict(ckpt["head"])
+        optim.load_state_dict(ckpt["optim"])
+        sched.load_state_dict(ckpt["sched"])
+        step, seconds_before, history = ckpt["step"], ckpt["seconds"], ckpt["history"]
+        _set_rng_state(ckpt["rng"])
+
+    def checkpoint() -> None:
+        _save(ckpt_path, {
+            "method": head.method, "head_config": head.config_dict(), "head": head.state_dict(),
+            "optim": optim.state_dict(), "sched": sched.state_dict(), "step": step,
+            "seconds": seconds_before + (time.perf_counter() - t0), "history": history, "rng": _rng_state(),
+            "train_config": asdict(cfg),
+        })
+
+    def run_eval() -> EvalResult | None:
+        if held_out is None:
+            return None
+        result = evaluate(head, target, held_out, cfg.eval_k, cfg.device, cfg.batch_size)
+        history.append({"step": step, "eval": asdict(result)})
+        log.info("step %d: held-out tau %.3f, acceptance per position %s", step, result.tau, result.acceptance)
+        (out / METRICS).write_text(json.dumps({"history": history}, indent=1))
+        return result
+
+    t0 = time.perf_counter()
+    deadline = None if cfg.max_minutes is None else t0 + 60 * cfg.max_minutes
+    plans: dict[int, list] = {}
+    steps_per_epoch = len(data.epoch_plan(0, cfg.batch_size, cfg.seed))
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"training {head.method}", unit="step", disable=None)
+    last_loss, last_eval = None, None
+    while step < cfg.steps:
+        if deadline is not None and time.perf_counter() > deadline:
+            log.info("time budget of %.1f min reached at step %d; checkpointed (continue with --resume)", cfg.max_minutes, step)
+            break
+        epoch, pos = divmod(step, steps_per_epoch)
+        if epoch not in plans:
+            plans = {epoch: data.epoch_plan(epoch, cfg.batch_size, cfg.seed)}
+        shard, idx = plans[epoch][pos]
+        batch = data.batch(shard, idx, device)
+        loss, metrics = head.training_loss(batch, target)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"{head.method} loss became {float(loss)} at step {step}; lower --lr")
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optim.step()
+        sched.step()
+        step += 1
+        last_loss = float(loss.detach())
+        bar.update(1)
+        bar.set_postfix(loss=f"{last_loss:.3f}", epoch=epoch)
+        if step % 10 == 0 or step == cfg.steps:
+            history.append({"step": step, "loss": round(last_loss, 5), "lr": sched.get_last_lr()[0],
+                            "grad_norm": round(float(grad_norm), 4),
+                            **{k: round(v, 5) for k, v in metrics.items() if k != "loss"}})
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            last_eval = run_eval()
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            checkpoint()
+    bar.close()
+    if step < cfg.steps:  # stopped by the time budget: evaluate where it stands, then checkpoint
+        if step % cfg.eval_every:
+            last_eval = run_eval()
+        checkpoint()
+    elif last_eval is None:  # resumed after the last step: report the final state
+        last_eval = run_eval()
+    seconds = seconds_before + time.perf_counter() - t0
+    return TrainResult(step, step >= cfg.steps, seconds, last_loss, last_eval, history)
