@@ -29,13 +29,26 @@ class DrafterNeeds:
 
 @dataclass(frozen=True)
 class TargetInfo:
-    """Facts about the target a drafter may check at construction (vocab, tokenizer, device)."""
+    """Facts about the target a drafter may check at construction (vocab, tokenizer, device).
+
+    parts: the target's embedding, final norm and LM head as float32-returning callables in its
+    serving dtype (a heads.base.TargetParts), for drafters that run trained heads on them.
+    """
 
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     tokenizer: Any = None
     device: str = "cpu"
     model_name: str = ""
+    parts: Any = None
+
+    @classmethod
+    def of(cls, loaded: Any, eos_token_ids: tuple[int, ...], device: str = "cpu") -> "TargetInfo":
+        """Everything about a LoadedModel target a drafter may use (the engine builds it so)."""
+        from tandem.drafters.heads.base import TargetParts
+
+        return cls(loaded.config.vocab_size, tuple(eos_token_ids), loaded.tokenizer, device, loaded.name,
+                   TargetParts.serving(loaded))
 
 
 @dataclass

@@ -52,7 +52,7 @@ class Engine:
         )
         self.drafter: Drafter | None = None
         if config.spec.algorithm:
-            target = TargetInfo(cfg.vocab_size, tuple(self.eos_ids), self.tokenizer, config.device, loaded.name)
+            target = TargetInfo.of(loaded, tuple(self.eos_ids), config.device)
             self.drafter = create_drafter(config.spec, target)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

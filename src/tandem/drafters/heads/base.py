@@ -1,31 +1,69 @@
 """The contract between trained draft heads, the trainer and the inference drafters.
 
-One module is both trained and served: `tandem train` builds a `DraftHead`, optimises
-`training_loss` on self-distilled batches, and `save_head` writes it; the `medusa` / `eagle` /
-`eagle3` / `mtp` drafters `load_head` the same class and draft with it.
+One module is both trained and served: `tandem train` builds a `DraftHead` (io.build_head),
+optimises `training_loss` on self-distilled batches, and io.save_head writes it; the `medusa` /
+`eagle` / `eagle3` / `mtp` drafters io.load_head the same class and draft with it.
 
 Hidden-layer convention (as DrafterNeeds): layer i in [0, L) is the output of decoder layer i,
 layer L is the final normed hidden state (the LM head's input).
+
+Position convention shared by every head (worked example): in a sequence x_0..x_{T-1}, the
+target's hidden state at position t belongs to token x_t, and its logits (lm_head(hidden L at t))
+predict x_{t+1}. A chain drafted "from position t" already knows x_{t+1} (the target produced it)
+and proposes d_1 = x_{t+2}, d_2 = x_{t+3}, ...: draft position i (1-based) is graded against the
+target's argmax at position t + i. With loss_mask[t] True (x_{t+1} is an answer token), a head
+trains draft position i on the target's distribution at t + i wherever loss_mask[t + i] holds.
+
+Additions to the original contract (all keep the old names working):
+- TargetParts.lm_head_weight / layer_weights (optional), TargetParts.from_loaded (float32 copies
+  for training), TargetParts.serving (the target's own modules, for drafting), signature().
+- DraftHead.serving_layers (layers a drafter needs at inference; defaults to hidden_layers),
+  DraftHead.from_config, DraftHead.extra_state_names, and the head registry (register_head).
+- Loss helpers shared by the heads: target_argmax, target_probs, soft_cross_entropy, chain_rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.model.arch import ModelConfig
 
+# Rows of target logits materialised at once (49k-vocab fp32 logits: 1024 rows = 200 MB).
+LOGIT_CHUNK = 1024
+# Evenly spaced embedding rows compared by load_head to recognise the target a head was trained on.
+SIGNATURE_ROWS = 16
+
+
+class _Frozen:
+    """A float32 tensor kept on the device it is asked for (a per-device copy is cached), so
+    training on CUDA needs no explicit `.to()` of the target parts: the device follows the batch."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._copies = {tensor.device: tensor.detach().float()}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._copies:
+            self._copies[device] = next(iter(self._copies.values())).to(device)
+        return self._copies[device]
+
 
 @dataclass
 class TargetParts:
-    """The frozen pieces of the target a head trains and drafts against (float32, no grad).
+    """The frozen pieces of the target a head trains and drafts against (no grad).
 
     embed: token ids [...] -> embeddings [..., H] (the target's scale applied, as its layer 0 sees).
     lm_head: final normed hidden [..., H] -> logits [..., V] (softcap applied where the target has one).
     final_norm: output of the last decoder layer [..., H] -> final normed hidden [..., H].
+    All three return float32. `from_loaded` builds float32 copies (training); `serving` wraps the
+    target's own (possibly quantized, bf16) modules so drafting costs what the target's head costs.
+    lm_head_weight: the float32 [V, H] LM head weight (heads with a reduced vocabulary slice it),
+    None when serving. layer_weights(i): float32 weights of decoder layer i by role ("attn_norm",
+    "qkv", "o", "mlp_norm", "gate_up", "down"), for heads initialised from target layers.
     """
 
     config: ModelConfig
@@ -33,6 +71,71 @@ class TargetParts:
     embed: Callable[[torch.Tensor], torch.Tensor]
     lm_head: Callable[[torch.Tensor], torch.Tensor]
     final_norm: Callable[[torch.Tensor], torch.Tensor]
+    lm_head_weight: torch.Tensor | None = None
+    layer_weights: Callable[[int], dict[str, torch.Tensor]] | None = None
+
+    @classmethod
+    def from_loaded(cls, loaded: Any) -> "TargetParts":
+        """Float32 copies of a LoadedModel's embedding, final norm and LM head (dequantised)."""
+        model, cfg = loaded.model, loaded.config
+        embed_w = _Frozen(model.embed)
+        scale = model.embed_scale
+        norm_w, eps = _Frozen(model.norm.weight), model.norm.eps
+        head = model.lm_head.dequantize(torch.float32)
+        head_w = _Frozen(head)
+        cap = cfg.final_logit_softcap
+
+        def embed(ids: torch.Tensor) -> torch.Tensor:
+            x = F.embedding(ids, embed_w.on(ids.device))
+            return x * scale if scale is not None else x
+
+        def final_norm(x: torch.Tensor) -> torch.Tensor:
+            w = norm_w.on(x.device)
+            return F.rms_norm(x.float(), w.shape, w, eps)
+
+        def lm_head(x: torch.Tensor) -> torch.Tensor:
+            return _softcap(F.linear(x.float(), head_w.on(x.device)), cap)
+
+        def layer_weights(i: int) -> dict[str, torch.Tensor]:
+            layer = model.layers[i]
+            return {
+                "attn_norm": layer.attn_norm.weight.detach().float().clone(),
+                "qkv": layer.qkv.dequantize(torch.float32),
+                "o": layer.o.dequantize(torch.float32),
+                "mlp_norm": layer.mlp_norm.weight.detach().float().clone(),
+                "gate_up": layer.gate_up.dequantize(torch.float32),
+                "down": layer.down.dequantize(torch.float32),
+            }
+
+        return cls(cfg, loaded.name, embed, lm_head, final_norm, head, layer_weights)
+
+    @classmethod
+    def serving(cls, loaded: Any) -> "TargetParts":
+        """The target's own embedding, final norm and LM head in its serving dtype (no copies);
+        inputs are cast to that dtype and outputs returned as float32."""
+        model, cfg = loaded.model, loaded.config
+        dtype = model.dtype
+
+        def embed(ids: torch.Tensor) -> torch.Tensor:
+            return model.embed_tokens(ids).float()
+
+        def final_norm(x: torch.Tensor) -> torch.Tensor:
+            return model.norm(x.to(dtype)).float()
+
+        def lm_head(x: torch.Tensor) -> torch.Tensor:
+            return _softcap(model.lm_head(x.to(dtype)).float(), cfg.final_logit_softcap)
+
+        return cls(cfg, loaded.name, embed, lm_head, final_norm)
+
+    def signature(self) -> torch.Tensor:
+        """[SIGNATURE_ROWS, H] float32: embeddings of evenly spaced ids, recorded with a head so
+        a load against another target (same shapes, other weights) is refused."""
+        ids = torch.linspace(0, self.config.vocab_size - 1, SIGNATURE_ROWS).long()
+        return self.embed(ids).float().cpu()
+
+
+def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 @dataclass
@@ -51,8 +154,34 @@ class TrainBatch:
     hidden: dict[int, torch.Tensor]
 
 
+_HEADS: dict[str, type["DraftHead"]] = {}
+
+
+def register_head(name: str) -> Callable[[type["DraftHead"]], type["DraftHead"]]:
+    """Class decorator: the head class trained and served under method `name`."""
+
+    def wrap(cls: type[DraftHead]) -> type[DraftHead]:
+        if name in _HEADS:
+            raise ValueError(f"draft head {name!r} registered twice")
+        _HEADS[name] = cls
+        cls.method = name
+        return cls
+
+    return wrap
+
+
+def head_class(method: str) -> type["DraftHead"]:
+    if method not in _HEADS:
+        raise ValueError(f"unknown draft-head method {method!r}; available: {', '.join(sorted(_HEADS))}")
+    return _HEADS[method]
+
+
+def head_methods() -> list[str]:
+    return sorted(_HEADS)
+
+
 class DraftHead(nn.Module):
-    """Base of every trained drafter module (medusa, eagle, eagle3, mtp heads)."""
+    """Base of every trained drafter module (medusa, eagle, eagle3, mtp heads, draft_model)."""
 
     method: str = ""
 
@@ -60,6 +189,12 @@ class DraftHead(nn.Module):
     def hidden_layers(self) -> tuple[int, ...]:
         """Target layers whose hidden states training batches and drafting inputs must carry."""
         raise NotImplementedError
+
+    @property
+    def serving_layers(self) -> tuple[int, ...]:
+        """The subset of hidden_layers a drafter reads at inference (training may need more,
+        e.g. layer L for the target's distributions)."""
+        return self.hidden_layers
 
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
         """Scalar loss to minimise + named float metrics for logs (e.g. per-term losses)."""
@@ -77,3 +212,92 @@ class DraftHead(nn.Module):
     def config_dict(self) -> dict:
         """Everything `from_config` needs to rebuild the module (sizes, layers, draft vocab size)."""
         raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config: dict, target: TargetParts) -> "DraftHead":
+        """An untrained module of the shape `config` (a config_dict()) describes; load_head then
+        fills its state_dict."""
+        return cls(target.config, **config)
+
+    @classmethod
+    def build(cls, target: TargetParts, **options) -> "DraftHead":
+        """A fresh module for `target`, initialised for training (io.build_head calls this)."""
+        return cls(target.config, **options)
+
+    def export(self, out_dir, target_name: str, tokenizer) -> None:
+        """Extra files save_head writes next to head.json (draft_model: a loadable model dir)."""
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """Size of a reduced draft vocabulary, None when the head drafts over the target's."""
+        return None
+
+
+# ---- loss and accuracy helpers shared by the heads -----------------------------------------------
+
+
+def final_layer(target: TargetParts) -> int:
+    return target.config.num_layers
+
+
+def chain_rows(batch: TrainBatch, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every loss-masked start (b, t): (b, t + offset, valid) where valid says that position
+    t + offset is inside the row and loss-masked (its next token is an answer token).
+
+    Example: loss_mask row [F, T, T, F] (answer tokens x_2, x_3), offset 1: starts t = 1, 2 ->
+    positions 2, 3 -> valid [True, False].
+    """
+    b, t = batch.loss_mask.nonzero(as_tuple=True)
+    pos = t + offset
+    inside = pos < batch.loss_mask.shape[1]
+    clamped = pos.clamp(max=batch.loss_mask.shape[1] - 1)
+    valid = inside & batch.loss_mask[b, clamped]
+    return b, clamped, valid
+
+
+@torch.no_grad()
+def target_logits(target: TargetParts, hidden: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Target logits [N, V] (or [N, len(vocab_ids)]) for final normed hidden rows [N, H], chunked."""
+    outs = []
+    weight = None
+    if vocab_ids is not None and target.lm_head_weight is not None:
+        weight = target.lm_head_weight.to(hidden.device)[vocab_ids.to(hidden.device)]
+    for chunk in hidden.split(LOGIT_CHUNK):
+        if weight is not None:
+            logits = _softcap(F.linear(chunk.float(), weight), target.config.final_logit_softcap)
+        else:
+            logits = target.lm_head(chunk)
+            if vocab_ids is not None:
+                logits = logits[:, vocab_ids.to(logits.device)]
+        outs.append(logits.float())
+    if not outs:
+        width = target.config.vocab_size if vocab_ids is None else len(vocab_ids)
+        return hidden.new_zeros(0, width)
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def target_probs(target: TargetParts, hidden: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax of target_logits: the distribution the head is distilled towards."""
+    return torch.softmax(target_logits(target, hidden, vocab_ids), dim=-1)
+
+
+@torch.no_grad()
+def target_argmax(batch: TrainBatch, target: TargetParts) -> torch.Tensor:
+    """[B, T] long: the target's greedy next token after each position (from hidden L)."""
+    h = batch.hidden[final_layer(target)]
+    B, T, H = h.shape
+    flat = h.reshape(B * T, H)
+    out = torch.cat([target.lm_head(c).argmax(-1) for c in flat.split(LOGIT_CHUNK)]) if B * T else flat.new_zeros(0).long()
+    return out.reshape(B, T)
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """[N] cross-entropy of log_softmax(logits) against target probabilities `probs`."""
+    return -(probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean over valid entries; 0 (with a graph) when none is valid."""
+    n = valid.sum()
+    return (values * valid).sum() / n.clamp(min=1)

@@ -1,0 +1,1 @@
+"""Trained draft heads: the modules `tandem train` optimises and the head drafters serve."""

@@ -1,0 +1,162 @@
+"""Build, save and load draft heads: one directory per trained head.
+
+Layout: head.json (format, method, the target's name and shapes, hidden layers, draft vocab size,
+the module's config_dict and a free-form training record) + head.safetensors (the trained
+parameters only: tied target parts are filled from the target at load, and a 16-row embedding
+signature of the target is stored so a head loaded against another target is refused).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
+
+# Import the head modules so they register (one line per method).
+from tandem.drafters.heads import medusa  # noqa: F401,E402
+
+FORMAT = "tandem-draft-head"
+VERSION = 1
+CONFIG_FILE = "head.json"
+WEIGHTS_FILE = "head.safetensors"
+SIGNATURE_KEY = "__target_signature__"
+# Minimum cosine similarity between the recorded and the actual target embedding rows: quantised
+# copies of one model agree to > 0.999; unrelated or retrained models fall far below.
+SIGNATURE_MIN_COSINE = 0.98
+
+
+def build_head(method: str, target: TargetParts, **options) -> DraftHead:
+    """A fresh, trainable head of `method` for `target` (options: the method's constructor args)."""
+    head = head_class(method).build(target, **options)
+    _attach_target(head, target)
+    return head
+
+
+def _attach_target(head: DraftHead, target: TargetParts) -> None:
+    head.target_config = target.config
+    head.target_signature = target.signature()
+
+
+def _target_record(head: DraftHead, target_name: str) -> dict:
+    cfg = head.target_config
+    return {
+        "model_name": target_name,
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+    }
+
+
+def save_head(head: DraftHead, out_dir: str | Path, target_name: str, extra_record: dict | None = None,
+              dtype: torch.dtype = torch.float32, tokenizer=None) -> Path:
+    """Write `head` to out_dir (created); returns the directory.
+
+    dtype: float tensors are stored in it (bfloat16 halves a shipped file; loading upcasts).
+    tokenizer: written alongside for heads exported as standalone models (draft_model).
+    """
+    from safetensors.torch import save_file
+
+    if not hasattr(head, "target_signature"):
+        raise ValueError("save_head needs a head made by build_head or load_head (they record the target)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).cpu().contiguous()
+        for name, t in head.state_dict().items()
+    }
+    tensors[SIGNATURE_KEY] = head.target_signature.float().contiguous()
+    record = {
+        "format": FORMAT,
+        "version": VERSION,
+        "method": head.method,
+        "target": _target_record(head, target_name),
+        "hidden_layers": list(head.hidden_layers),
+        "serving_layers": list(head.serving_layers),
+        "draft_vocab_size": head.draft_vocab_size,
+        "config": head.config_dict(),
+        "record": extra_record or {},
+    }
+    tmp = out / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(out / WEIGHTS_FILE)
+    (out / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    head.export(out, target_name, tokenizer)
+    return out
+
+
+def read_head_config(path: str | Path) -> dict:
+    """The head.json of a head directory (or the file itself), validated."""
+    p = Path(path)
+    cfg_path = p / CONFIG_FILE if p.is_dir() else p
+    if not cfg_path.is_file():
+        raise FileNotFoundError(
+            f"no trained draft head at {path}: expected a directory with {CONFIG_FILE} and {WEIGHTS_FILE} "
+            "(made by `tandem train` or save_head)"
+        )
+    record = json.loads(cfg_path.read_text())
+    if record.get("format") != FORMAT:
+        raise ValueError(f"{cfg_path} is not a tandem draft head (format {record.get('format')!r})")
+    if record.get("version", 0) > VERSION:
+        raise ValueError(f"{cfg_path} has format version {record['version']}; this tandem reads up to {VERSION}: upgrade tandem")
+    if record.get("method") not in head_methods():
+        raise ValueError(f"{cfg_path}: unknown method {record.get('method')!r}; available: {', '.join(head_methods())}")
+    return record
+
+
+def check_target(record: dict, target: TargetParts, where: str) -> None:
+    """Refuse a head trained for another target, saying which one it was trained for."""
+    want = record["target"]
+    cfg = target.config
+    have = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers}
+    diffs = [f"{k} {want[k]} vs {v}" for k, v in have.items() if want[k] != v]
+    if diffs:
+        raise ValueError(
+            f"the {record['method']} head at {where} was trained for target {want['model_name']!r}, not for "
+            f"{target.model_name or 'this target'} ({'; '.join(diffs)}). Serve it with --model {want['model_name']}, "
+            f"or train a head for this target: tandem train --target {target.model_name or 'MODEL'} --method {record['method']}"
+        )
+
+
+def _check_signature(record: dict, recorded: torch.Tensor, target: TargetParts, where: str) -> None:
+    actual = target.signature()
+    cos = torch.nn.functional.cosine_similarity(recorded.float(), actual.float(), dim=-1)
+    if float(cos.min()) < SIGNATURE_MIN_COSINE:
+        want = record["target"]["model_name"]
+        raise ValueError(
+            f"the {record['method']} head at {where} was trained for target {want!r}; "
+            f"{target.model_name or 'this target'} has the same shapes but different weights (embedding "
+            f"similarity {float(cos.min()):.3f}). Serve it with --model {want}, or train a head for this "
+            f"target: tandem train --target {target.model_name or 'MODEL'} --method {record['method']}"
+        )
+
+
+def load_head(path: str | Path, target: TargetParts, device: str | torch.device = "cpu") -> DraftHead:
+    """The head saved at `path`, checked against `target`, in float32 eval mode on `device`."""
+    from safetensors.torch import load_file
+
+    record = read_head_config(path)
+    where = str(path)
+    check_target(record, target, where)
+    directory = Path(path) if Path(path).is_dir() else Path(path).parent
+    tensors = load_file(str(directory / WEIGHTS_FILE))
+    signature = tensors.pop(SIGNATURE_KEY, None)
+    if signature is None:
+        raise ValueError(f"{directory / WEIGHTS_FILE} has no target signature: re-save the head with save_head")
+    _check_signature(record, signature, target, where)
+    cls = head_class(record["method"])
+    head = cls.from_config(record["config"], target)
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory / WEIGHTS_FILE} does not match a {record['method']} head of config {record['config']}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    head.target_config = target.config
+    head.target_signature = signature
+    head.record = record
+    return head.to(device).eval()

@@ -1,0 +1,105 @@
+"""What every trained-head drafter shares: loading the head for the target, and turning head
+logits into draft tokens plus the q rows the verifier needs (ALGORITHMS.md section 1).
+
+Greedy requests get argmax drafts (deterministic, no q). Sampled requests draw each draft token
+from the head's processed distribution q (same temperature / top-k / top-p / min-p / repetition
+penalty as the target), reported over the target's vocabulary: a reduced draft vocabulary
+scatters q onto its target ids and leaves zeros elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import SpecConfig
+from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
+from tandem.drafters.heads.io import load_head, read_head_config
+from tandem.sampling import NonFiniteLogitsError, processed_probs, sample
+
+
+class HeadDrafter(Drafter):
+    """Base of the drafters that serve a head trained by `tandem train` (medusa, eagle, eagle3, mtp)."""
+
+    def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
+        super().__init__(spec, target)
+        name = self.method_name
+        if not spec.draft_model_path:
+            raise ValueError(
+                f"the {name} drafter serves a trained head: set speculative_draft_model_path "
+                f"(--speculative-draft-model-path) to a directory made by `tandem train --method {name}`"
+            )
+        if target.parts is None:
+            raise ValueError(
+                f"the {name} drafter needs the target's embedding and LM head: build its TargetInfo "
+                "with TargetInfo.of(loaded, ...)"
+            )
+        method = read_head_config(spec.draft_model_path)["method"]
+        if method != name:
+            raise ValueError(
+                f"{spec.draft_model_path} holds a {method} head; serve it with --speculative-algorithm {method}"
+            )
+        self.parts = target.parts
+        self.head = load_head(spec.draft_model_path, target.parts, target.device)
+        self.needs = DrafterNeeds(tuple(self.head.serving_layers))
+        self.device = torch.device(target.device)
+        draft_ids = getattr(self.head, "draft_ids", None)
+        self.draft_ids = None if draft_ids is None else draft_ids.to(self.device)
+        # target id -> draft index (-1 outside the draft vocabulary), for repetition penalties.
+        self.to_draft = None
+        if self.draft_ids is not None:
+            self.to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long, device=self.device)
+            self.to_draft[self.draft_ids] = torch.arange(len(self.draft_ids), device=self.device)
+
+    def seen_ids(self, inp: DraftInput) -> torch.Tensor | None:
+        """The context's distinct ids (in the head's vocabulary) when a repetition penalty applies."""
+        if inp.params.repetition_penalty == 1.0:
+            return None
+        ids = torch.tensor(sorted(set(inp.token_ids)), dtype=torch.long, device=self.device)
+        if self.to_draft is None:
+            return ids
+        mapped = self.to_draft[ids]
+        return mapped[mapped >= 0]
+
+    def choose(self, inputs: list[DraftInput], seen: list[torch.Tensor | None], logits: torch.Tensor) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One draft token per row of logits [R, V'] (row r drafts for inputs[r]), in target ids,
+        and per row the q row [V] it was sampled from (None: deterministic, or -1 = draft ends)."""
+        logits = logits.float()
+        tokens: list[int] = [-1] * len(inputs)
+        qs: list[torch.Tensor | None] = [None] * len(inputs)
+        plain = [r for r, inp in enumerate(inputs) if inp.params.greedy and seen[r] is None]
+        if plain:
+            finite = torch.isfinite(logits[plain]).all(-1).tolist()
+            for r, token, ok in zip(plain, logits[plain].argmax(-1).tolist(), finite):
+                tokens[r] = token if ok else -1
+        for r, inp in enumerate(inputs):
+            if r in plain:
+                continue
+            try:
+                q = processed_probs(logits[r : r + 1], inp.params, seen[r])  # [1, V']
+            except NonFiniteLogitsError:
+                continue  # a broken head row ends this draft; the target decides alone
+            if inp.params.greedy:
+                tokens[r] = int(q[0].argmax())
+            else:
+                tokens[r] = int(sample(q, inp.generator)[0])
+                qs[r] = self.full_vocab_q(q[0])
+        if self.draft_ids is not None:
+            tokens = [int(self.draft_ids[t]) if t >= 0 else -1 for t in tokens]
+        return tokens, qs
+
+    def full_vocab_q(self, q: torch.Tensor) -> torch.Tensor:
+        """q over the head's vocabulary [V'] -> over the target's [V] (zeros outside a draft vocab)."""
+        if self.draft_ids is None:
+            return q
+        full = torch.zeros(self.target.vocab_size, dtype=q.dtype, device=q.device)
+        full[self.draft_ids] = q
+        return full
+
+
+def make_draft(tokens: list[int], qs: list[torch.Tensor | None]):
+    """A Draft from a chain of tokens and their q rows (all None for deterministic drafts)."""
+    from tandem.types import Draft
+
+    if not tokens or qs[0] is None:
+        return Draft(tokens)
+    return Draft(tokens, torch.stack(qs))
