@@ -17,3 +17,4 @@ from tandem.drafters import suffix  # noqa: E402,F401
 from tandem.drafters import draft_model  # noqa: E402,F401
 from tandem.drafters import cross_tokenizer  # noqa: E402,F401
 from tandem.drafters import medusa  # noqa: E402,F401
+from tandem.drafters import eagle  # noqa: E402,F401

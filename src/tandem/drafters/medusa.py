@@ -16,6 +16,7 @@ from tandem.types import Draft
 
 @register("medusa")
 class MedusaDrafter(HeadDrafter):
+    @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
         layer = self.head.serving_layers[0]
         rows = [i for i, inp in enumerate(batch) if layer in inp.hidden and len(inp.hidden[layer])]

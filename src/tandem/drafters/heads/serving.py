@@ -39,7 +39,7 @@ class HeadDrafter(Drafter):
                 f"{spec.draft_model_path} holds a {method} head; serve it with --speculative-algorithm {method}"
             )
         self.parts = target.parts
-        self.head = load_head(spec.draft_model_path, target.parts, target.device)
+        self.head = load_head(spec.draft_model_path, target.parts, target.device).requires_grad_(False)
         self.needs = DrafterNeeds(tuple(self.head.serving_layers))
         self.device = torch.device(target.device)
         draft_ids = getattr(self.head, "draft_ids", None)

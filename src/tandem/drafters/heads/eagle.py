@@ -1,0 +1,168 @@
+"""EAGLE-1 (Li et al. 2024): draft at the feature level with one decoder layer.
+
+Position j's input is fc([embedding(x_{j+1}); f_j]), f_j the target's final normed hidden state;
+one decoder layer predicts f_{j+1}, and the frozen target LM head turns it into the distribution
+of x_{j+2}. Drafting continues from the layer's own predicted feature. Loss: smooth L1 to the
+true f_{j+1} plus a (0.1-weighted) soft cross-entropy to the target's distribution.
+
+`FeatureHead` holds what EAGLE-1 and EAGLE-3 share: the unrolled chain used in training (the
+training-time test of EAGLE-3 / HASS: step s of the chain starting at j runs at position j + s,
+sees the true features up to j and its own earlier steps) and in draft_accuracy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.drafters.heads.base import (
+    DraftHead,
+    TargetParts,
+    TrainBatch,
+    chain_rows,
+    final_layer,
+    register_head,
+    soft_cross_entropy,
+    target_argmax,
+    target_probs,
+)
+from tandem.drafters.heads.block import DraftBlock
+from tandem.model.arch import ModelConfig
+
+
+def shift_left(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T] -> [B, T] with out[:, j] = ids[:, j + n] (0 past the end)."""
+    return F.pad(ids[:, n:], (0, n)) if n else ids
+
+
+class FeatureHead(DraftHead):
+    """One draft decoder layer fed (token embedding, feature) pairs; see the module docstring."""
+
+    block: DraftBlock
+
+    # ---- what EAGLE-1 and EAGLE-3 define differently ------------------------------------------
+
+    def fuse(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states of the declared layers [..., H] -> the feature [..., H]."""
+        raise NotImplementedError
+
+    def layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, attention input) of the draft layer from embedding and feature."""
+        raise NotImplementedError
+
+    def head_logits(self, out: torch.Tensor, target: TargetParts) -> torch.Tensor:
+        """Draft layer output [..., H] -> logits over the head's vocabulary."""
+        raise NotImplementedError
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Indices into head_logits' vocabulary -> target token ids."""
+        return ids
+
+    # ---- the unrolled chain --------------------------------------------------------------------
+
+    def unroll(self, batch: TrainBatch, target: TargetParts, steps: int, noise: float = 0.0) -> list[torch.Tensor]:
+        """Outputs [B, T, H] of chain steps 0..steps-1; step s at index j is the chain starting
+        at position j after s own steps (its input token is x_{j+1+s}, the true token: a chain
+        only matters while its drafts equal the target's tokens)."""
+        ids = batch.token_ids
+        B, T = ids.shape
+        feat = self.fuse({layer: batch.hidden[layer].float() for layer in self.serving_layers})
+        if noise:
+            feat = feat + (torch.rand_like(feat) - 0.5) * 2 * noise
+        positions = torch.arange(T, device=ids.device).expand(B, T)
+        outs: list[torch.Tensor] = []
+        base_kv, chain_kv = None, []
+        for s in range(steps):
+            emb = target.embed(shift_left(ids, 1 + s)).float()
+            resid, attn_in = self.layer_input(emb, feat)
+            if s == 0:
+                out, (k, v) = self.block(resid, attn_in, positions, return_kv=True)
+                base_kv = (k, v, positions)
+            else:
+                out, kv = self.block.forward_unrolled(resid, attn_in, positions + s, base_kv, chain_kv)
+                chain_kv.append(kv)
+            outs.append(out)
+            feat = out
+        return outs
+
+    @torch.no_grad()
+    def draft_accuracy(self, batch: TrainBatch, target: TargetParts, k: int) -> torch.Tensor:
+        greedy = target_argmax(batch, target)
+        b0, t0, _ = chain_rows(batch, 0)
+        outs = self.unroll(batch, target, k)
+        correct = torch.zeros(len(b0), k, dtype=torch.bool, device=greedy.device)
+        for s, out in enumerate(outs):
+            b, t, valid = chain_rows(batch, 1 + s)
+            draft = self.to_target_ids(self.head_logits(out[b0, t0], target).argmax(-1))
+            correct[:, s] = valid & (draft == greedy[b, t])
+        return correct
+
+
+@register_head("eagle")
+class EagleHead(FeatureHead):
+    def __init__(self, cfg: ModelConfig, feature_weight: float = 1.0, token_weight: float = 0.1,
+                 feature_noise: float = 0.0, unroll_steps: int = 1, step_decay: float = 0.8) -> None:
+        super().__init__()
+        if unroll_steps < 1:
+            raise ValueError(f"eagle needs unroll_steps >= 1, got {unroll_steps}")
+        self.num_layers_target = cfg.num_layers
+        self.feature_weight, self.token_weight, self.feature_noise = feature_weight, token_weight, feature_noise
+        self.unroll_steps, self.step_decay = unroll_steps, step_decay
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H)
+        self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.block = DraftBlock(cfg)
+
+    @classmethod
+    def build(cls, target: TargetParts, **options) -> "EagleHead":
+        head = cls(target.config, **options)
+        if target.layer_weights is not None:  # start from the target's last decoder layer
+            weights = target.layer_weights(target.config.num_layers - 1)
+            head.block.init_from(weights)
+            with torch.no_grad():
+                head.norm.weight.copy_(weights["attn_norm"])
+        return head
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return (self.num_layers_target,)
+
+    def config_dict(self) -> dict:
+        return {"feature_weight": self.feature_weight, "token_weight": self.token_weight,
+                "feature_noise": self.feature_noise, "unroll_steps": self.unroll_steps, "step_decay": self.step_decay}
+
+    def fuse(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        return hidden[self.num_layers_target].float()
+
+    def layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.fc(torch.cat([emb, feat], dim=-1))
+        return z, self.norm(z)
+
+    def head_logits(self, out: torch.Tensor, target: TargetParts) -> torch.Tensor:
+        return target.lm_head(out)
+
+    def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
+        L = final_layer(target)
+        hidden = batch.hidden[L].float()
+        outs = self.unroll(batch, target, self.unroll_steps, self.feature_noise if self.training else 0.0)
+        total, weights, metrics = hidden.new_zeros(()), 0.0, {}
+        for s, out in enumerate(outs):
+            # Chain j's step s predicts the feature at j + 1 + s and, through it, x_{j+2+s}
+            # (an answer token where loss_mask[j + 1 + s]).
+            b, j = torch.nonzero(batch.loss_mask[:, 1 + s :], as_tuple=True)
+            if not len(b):
+                continue
+            pred = out[b, j]
+            true = hidden[b, j + 1 + s]
+            feature_loss = F.smooth_l1_loss(pred, true)
+            token_loss = soft_cross_entropy(target.lm_head(pred), target_probs(target, true)).mean()
+            step_loss = self.feature_weight * feature_loss + self.token_weight * token_loss
+            w = self.step_decay**s
+            total, weights = total + w * step_loss, weights + w
+            metrics[f"feature_loss_step{s}"] = float(feature_loss.detach())
+            metrics[f"token_loss_step{s}"] = float(token_loss.detach())
+        loss = total / max(weights, 1e-9)
+        metrics["loss"] = float(loss.detach())
+        return loss, metrics
+

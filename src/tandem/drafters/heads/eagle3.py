@@ -1,0 +1,170 @@
+"""EAGLE-3 (Li et al. 2025): fused low/mid/high target features, training-time test, reduced vocab.
+
+g_j = fc([h_low; h_mid; h_high] at j) (3H -> H). The draft layer's residual stream is g_j and its
+attention input concat(norm(embedding(x_{j+1})), norm(g_j)); the LM head sees norm(output) and
+the next chain step feeds the un-normed output back as its feature. Training unrolls the chain
+`unroll_steps` times on its own features (step weights decay^s) with soft cross-entropy to the
+target's distribution restricted to the draft vocabulary, positions whose target argmax falls
+outside it masked. The draft vocabulary (draft_ids, a buffer saved with the head) holds the
+target ids the head can propose; drafters map back and report q over the full target vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from tandem.drafters.heads.base import (
+    TargetParts,
+    TrainBatch,
+    final_layer,
+    masked_mean,
+    register_head,
+    soft_cross_entropy,
+    target_logits,
+)
+from tandem.drafters.heads.block import DraftBlock
+from tandem.drafters.heads.eagle import FeatureHead
+from tandem.model.arch import ModelConfig
+
+
+def default_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low / middle / high target layers to fuse: outputs of layers 1, L/2-1 and L-4 as in EAGLE-3
+    (its hidden_states 2, L//2, L-3 count the embedding as 0); evenly spread for shallow models."""
+    L = num_layers
+    if L >= 8:
+        return (1, L // 2 - 1, L - 4)
+    return (0, (L - 1) // 2, L - 1)
+
+
+def draft_vocab_from_counts(counts: Sequence[float] | Mapping[int, float] | torch.Tensor, size: int,
+                            vocab_size: int) -> list[int]:
+    """The `size` most frequent target ids (ties: lower id first), ascending.
+
+    counts: per-id counts over the target vocab (a [V] sequence/tensor) or {id: count}.
+    """
+    if isinstance(counts, Mapping):
+        dense = torch.zeros(vocab_size, dtype=torch.float64)
+        for i, c in counts.items():
+            dense[int(i)] = float(c)
+    else:
+        dense = torch.as_tensor(counts, dtype=torch.float64)
+    if dense.shape != (vocab_size,):
+        raise ValueError(f"token counts must cover the target vocab ({vocab_size} ids), got shape {tuple(dense.shape)}")
+    size = min(size, vocab_size)
+    # Stable descending sort keeps lower ids first among equal counts.
+    order = torch.sort(dense, descending=True, stable=True).indices[:size]
+    return sorted(order.tolist())
+
+
+@register_head("eagle3")
+class Eagle3Head(FeatureHead):
+    def __init__(self, cfg: ModelConfig, layers: Sequence[int] | None = None, draft_vocab_size: int | None = None,
+                 unroll_steps: int = 7, step_decay: float = 0.8, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        L, H = cfg.num_layers, cfg.hidden_size
+        self.layers = tuple(int(i) for i in (layers if layers is not None else default_layers(L)))
+        if len(self.layers) != 3 or not all(0 <= i < L for i in self.layers):
+            raise ValueError(f"eagle3 fuses 3 target layers in [0, {L}), got {list(self.layers)}")
+        if unroll_steps < 1:
+            raise ValueError(f"eagle3 needs unroll_steps >= 1, got {unroll_steps}")
+        vocab = draft_vocab_size or cfg.vocab_size
+        if not 1 <= vocab <= cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {cfg.vocab_size}], got {draft_vocab_size}")
+        self.num_layers_target = L
+        self.unroll_steps, self.step_decay = unroll_steps, step_decay
+        self.intermediate_size = intermediate_size or cfg.intermediate_size
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.embed_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.feature_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.out_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.block = DraftBlock(cfg, attn_in_features=2 * H, intermediate_size=self.intermediate_size)
+        self.lm_head = nn.Linear(H, vocab, bias=False)
+        self.register_buffer("draft_ids", torch.arange(vocab, dtype=torch.long))
+
+    @classmethod
+    def build(cls, target: TargetParts, draft_vocab: Sequence[int] | None = None,
+              token_counts: Sequence[float] | Mapping[int, float] | torch.Tensor | None = None,
+              draft_vocab_size: int | None = None, **options) -> "Eagle3Head":
+        """draft_vocab: the target ids to draft over; or token_counts (per target id, e.g. from
+        the training answers) + draft_vocab_size: the most frequent ids. Neither: the full vocab."""
+        V = target.config.vocab_size
+        if draft_vocab is not None and token_counts is not None:
+            raise ValueError("give eagle3 either draft_vocab (ids) or token_counts, not both")
+        if token_counts is not None:
+            if not draft_vocab_size:
+                raise ValueError("eagle3 token_counts need draft_vocab_size (how many of the most frequent ids to keep)")
+            draft_vocab = draft_vocab_from_counts(token_counts, draft_vocab_size, V)
+        if draft_vocab is not None:
+            ids = sorted({int(i) for i in draft_vocab})
+            if not ids or ids[0] < 0 or ids[-1] >= V:
+                raise ValueError(f"draft_vocab ids must lie in [0, {V}) and be non-empty")
+        else:
+            ids = list(range(V))
+        head = cls(target.config, draft_vocab_size=len(ids), **options)
+        with torch.no_grad():
+            head.draft_ids.copy_(torch.tensor(ids, dtype=torch.long))
+            # Start the LM head as the target's own rows of the draft vocab, its final norm folded
+            # into out_norm (rms_norm of a ones vector returns the norm's weight).
+            head.out_norm.weight.copy_(target.final_norm(torch.ones(target.config.hidden_size)))
+            if target.lm_head_weight is not None:
+                head.lm_head.weight.copy_(target.lm_head_weight[head.draft_ids])
+        return head
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.layers))) + (self.num_layers_target,)
+
+    @property
+    def serving_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.layers)))
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        return len(self.draft_ids)
+
+    def config_dict(self) -> dict:
+        return {"layers": list(self.layers), "draft_vocab_size": len(self.draft_ids), "unroll_steps": self.unroll_steps,
+                "step_decay": self.step_decay, "intermediate_size": self.intermediate_size}
+
+    def fuse(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        return self.fc(torch.cat([hidden[i].float() for i in self.layers], dim=-1))
+
+    def layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return feat, torch.cat([self.embed_norm(emb), self.feature_norm(feat)], dim=-1)
+
+    def head_logits(self, out: torch.Tensor, target: TargetParts) -> torch.Tensor:
+        return self.lm_head(self.out_norm(out))
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.draft_ids.to(ids.device)[ids]
+
+    def in_draft_vocab(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Bool per target id: whether the head can propose it."""
+        return torch.isin(target_ids, self.draft_ids.to(target_ids.device))
+
+    def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
+        hidden = batch.hidden[final_layer(target)]
+        outs = self.unroll(batch, target, self.unroll_steps)
+        draft_ids = self.draft_ids.to(hidden.device)
+        total, weights, metrics = hidden.new_zeros(()), 0.0, {}
+        for s, out in enumerate(outs):
+            # Step s of the chain starting at j is graded at position j + 1 + s (see unroll).
+            b, j = torch.nonzero(batch.loss_mask[:, 1 + s :], as_tuple=True)
+            if not len(b):
+                continue
+            rows = hidden[b, j + 1 + s]
+            full = target_logits(target, rows)
+            valid = self.in_draft_vocab(full.argmax(-1))
+            p = torch.softmax(full[:, draft_ids], dim=-1)
+            logits = self.head_logits(out[b, j], target)
+            step_loss = masked_mean(soft_cross_entropy(logits, p), valid)
+            w = self.step_decay**s
+            total, weights = total + w * step_loss, weights + w
+            metrics[f"loss_step{s}"] = float(step_loss.detach())
+            metrics[f"top1_step{s}"] = float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), valid))
+        loss = total / max(weights, 1e-9)
+        metrics["loss"] = float(loss.detach())
+        return loss, metrics
