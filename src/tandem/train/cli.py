@@ -54,11 +54,15 @@ def add_train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capture-layers", type=int, nargs="*", default=[],
+                   help="extra target layers to store with the head's (one capture can then serve other methods)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="dtype of the exported weights (bfloat16 halves the file)")
     g = p.add_argument_group("method options (passed to the head; see README)")
-    g.add_argument("--num-heads", type=int, default=None, help="medusa heads / mtp modules")
-    g.add_argument("--draft-vocab-size", type=int, default=None, help="eagle3 reduced draft vocabulary")
+    g.add_argument("--num-heads", type=int, default=None, help="medusa heads")
+    g.add_argument("--depth", type=int, default=None, help="mtp modules (draft positions)")
+    g.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="eagle3 reduced draft vocabulary: the most frequent ids of the training answers")
     g.add_argument("--num-layers", type=int, default=None, help="draft_model decoder layers")
     g.add_argument("--head-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other constructor option of the head (VALUE parsed as JSON when it parses)")
@@ -66,8 +70,9 @@ def add_train_parser(sub) -> None:
 
 
 def method_options(args) -> dict:
-    options = {k: v for k, v in (("num_heads", args.num_heads), ("draft_vocab_size", args.draft_vocab_size),
-                                 ("num_layers", args.num_layers)) if v is not None}
+    named = (("num_heads", args.num_heads), ("depth", args.depth), ("draft_vocab_size", args.draft_vocab_size),
+             ("num_layers", args.num_layers))
+    options = {k: v for k, v in named if v is not None}
     for item in args.head_option:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -83,13 +88,15 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(name).name) or "model"
 
 
-def _capture_dir(answers_dir: Path, layers: tuple[int, ...]) -> Path:
-    """An existing capture holding every needed layer (a superset), else a new one for `layers`."""
-    for meta in sorted(answers_dir.glob("capture-*/meta.json")):
-        have = set(json.loads(meta.read_text())["layers"])
-        if set(layers) <= have:
-            return meta.parent
-    return answers_dir / ("capture-" + "_".join(map(str, layers)))
+def _capture_plan(answers_dir: Path, needed: tuple[int, ...], extra: list[int]) -> tuple[Path, tuple[int, ...]]:
+    """(directory, layers) of the capture to use: an existing one holding every needed layer,
+    else a new one for the needed + extra layers."""
+    for meta in sorted(answers_dir.glob("capture-*/train/meta.json")):
+        have = tuple(json.loads(meta.read_text())["layers"])
+        if set(needed) <= set(have):
+            return meta.parent.parent, have
+    layers = tuple(sorted(set(needed) | set(extra)))
+    return answers_dir / ("capture-" + "_".join(map(str, layers))), layers
 
 
 def cmd_train(args) -> int:
@@ -127,13 +134,18 @@ def cmd_train(args) -> int:
     # 2. The head, and the hidden states it needs.
     torch.manual_seed(args.seed)
     target = TargetParts.from_loaded(loaded)
+    build_options = dict(options)
+    if "draft_vocab_size" in options:  # the reduced vocabulary = the most frequent answer tokens
+        counts = torch.zeros(loaded.config.vocab_size)
+        for r in train_records:
+            counts += torch.bincount(torch.tensor(r["answer_ids"], dtype=torch.long), minlength=len(counts))[: len(counts)]
+        build_options["token_counts"] = counts
     try:
-        head = build_head(args.method, target, **options)
+        head = build_head(args.method, target, **build_options)
     except TypeError as err:
         raise ValueError(f"--method {args.method} does not take options {sorted(options)}: {err}") from err
     layers = tuple(head.hidden_layers)
-    cap_dir = _capture_dir(answers_dir, layers)
-    cap_layers = tuple(json.loads((cap_dir / "meta.json").read_text())["layers"]) if (cap_dir / "meta.json").exists() else layers
+    cap_dir, cap_layers = _capture_plan(answers_dir, layers, args.capture_layers)
     train_paths = capture(loaded, sequences(train_records), cap_dir / "train", cap_layers, desc="capture (train)")
     held_paths = capture(loaded, sequences(held_records), cap_dir / "held_out", cap_layers, desc="capture (held out)")
     data, held = CapturedData(train_paths, layers), CapturedData(held_paths, layers)
