@@ -30,6 +30,7 @@ METHODS = {
     "eagle": ("eagle", dict(), 30, 3e-3),
     "eagle3": ("eagle3", dict(unroll_steps=3), 30, 3e-3),
     "eagle3-small": ("eagle3", dict(unroll_steps=3, draft_vocab=list(range(0, 97, 3))), 30, 3e-3),
+    "mtp": ("mtp", dict(depth=3), 30, 3e-3),
 }
 PROMPTS = [[5, 17, 33, 8, 91, 4], [60, 61, 62], [7] * 11 + [12, 13]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -146,7 +147,7 @@ def test_sampling_follows_the_target_distribution(variant, params, saved):
     assert all(c.passed for c in ran), checks
 
 
-@pytest.mark.parametrize("variant", ["eagle", "eagle3", "eagle3-small"])
+@pytest.mark.parametrize("variant", ["eagle", "eagle3", "eagle3-small", "mtp"])
 def test_engine_drafts_match_a_cache_free_recomputation(variant, saved):
     """Across rounds with rejections, every draft must be the head's chain recomputed from
     scratch on the committed context: the cache held exactly the true features' keys, and the
@@ -171,8 +172,9 @@ def test_engine_drafts_match_a_cache_free_recomputation(variant, saved):
 
 
 def cache_free_chain(head, p, llm, ids: list[int], k: int) -> list[int]:
-    """Greedy chain from the context's last true feature, by head.unroll on one sequence whose
-    tokens after the context are the chain's own drafts."""
+    """Greedy chain from the context's last true feature, by the training forward (EAGLE's
+    unroll, MTP's run_all) on one sequence whose tokens after the context are the chain's own
+    drafts (hidden rows past the context are zeros: no chain may read them)."""
     from tandem.drafters.heads.base import TrainBatch
 
     hidden = prefill_hidden(llm, ids)  # rows for ids[:-1]
@@ -185,7 +187,34 @@ def cache_free_chain(head, p, llm, ids: list[int], k: int) -> list[int]:
         for layer in h:
             h[layer][0, : j + 1] = hidden[layer].float()
         batch = TrainBatch(torch.tensor([seq]), torch.tensor([T]), torch.zeros(1, T, dtype=torch.bool), h)
-        outs = head.unroll(batch, p, len(drafts) + 1)
-        logits = head.head_logits(outs[-1][0, j], p)
-        drafts.append(int(head.to_target_ids(logits.argmax(-1, keepdim=True))[0]))
+        if head.method == "mtp":
+            token = head.logits(head.run_all(batch, p, len(drafts) + 1)[-1][0, j], p).argmax(-1, keepdim=True)
+        else:
+            logits = head.head_logits(head.unroll(batch, p, len(drafts) + 1)[-1][0, j], p)
+            token = head.to_target_ids(logits.argmax(-1, keepdim=True))
+        drafts.append(int(token[0]))
     return drafts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["medusa", "eagle3-small"])
+def test_real_target_greedy_identity(variant, tmp_path):
+    """The real bundled model (native 4-bit, bf16 serving parts): a head built from its
+    dequantised parts, saved and served, keeps greedy output identical (acceptance is whatever
+    an untrained head gets)."""
+    from tandem.model.loader import load_model
+
+    loaded = load_model("smollm2-135m-instruct")
+    p = TargetParts.from_loaded(loaded)
+    method, options, _, _ = METHODS[variant]
+    if "draft_vocab" in options:
+        options = {**options, "draft_vocab": list(range(0, loaded.config.vocab_size, 7))}
+    save_head(build_head(method, p, **options), tmp_path, loaded.name)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompt = "Write a short poem about the sea."
+    config = EngineConfig(max_model_len=256, max_num_seqs=2)
+    base = LLM.from_loaded(loaded, config).generate(prompt, params, chat=True)[0]
+    spec = dataclasses.replace(config, spec=SpecConfig(method, 3, str(tmp_path)))
+    out = LLM.from_loaded(loaded, spec).generate(prompt, params, chat=True)[0]
+    assert out.token_ids == base.token_ids
+    assert out.spec.num_draft_tokens > 0

@@ -18,3 +18,4 @@ from tandem.drafters import draft_model  # noqa: E402,F401
 from tandem.drafters import cross_tokenizer  # noqa: E402,F401
 from tandem.drafters import medusa  # noqa: E402,F401
 from tandem.drafters import eagle  # noqa: E402,F401
+from tandem.drafters import mtp  # noqa: E402,F401

@@ -16,7 +16,7 @@ import torch
 from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
 
 # Import the head modules so they register (one line per method).
-from tandem.drafters.heads import eagle, eagle3, medusa  # noqa: F401,E402
+from tandem.drafters.heads import eagle, eagle3, medusa, mtp  # noqa: F401,E402
 
 FORMAT = "tandem-draft-head"
 VERSION = 1
