@@ -1,4 +1,4 @@
-"""`tandem` command line: generate, bench, audit (serve/train/advise arrive with their issues)."""
+"""`tandem` command line: generate, serve, bench, audit (train/advise arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--rounds", type=int, default=4000, help="independent speculative rounds")
     audit.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance level")
     audit.set_defaults(func=cmd_audit)
+
+    from tandem.launch_server import add_serve_args, run_serve
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and adaptive speculation")
+    add_serve_args(serve)
+    serve.set_defaults(func=run_serve)
 
     from tandem.bench.cli import add_bench_parser
 

@@ -60,21 +60,50 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+SPEC_POLICIES = ("fixed", "adaptive")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding settings; names follow SGLang's launch flags."""
+    """Speculative decoding settings; names follow SGLang's launch flags.
+
+    num_steps: draft depth (SGLang's --speculative-num-steps); a chain drafts
+    min(num_steps, num_draft_tokens) tokens, so SGLang's chain setting "3 steps, 4 draft tokens"
+    (which counts the root) drafts 3 here too. eagle_topk: branches per step; only chains (1)
+    exist so far. policy: "fixed" drafts the full length every round; "adaptive" picks each
+    request's length per round from the load, the measured cost curve and its acceptance.
+    """
 
     algorithm: str | None = None
     num_draft_tokens: int = 4
     draft_model_path: str | None = None
     ngram_max: int = 3
     ngram_min: int = 1
+    num_steps: int | None = None
+    eagle_topk: int = 1
+    policy: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}..{self.ngram_max}")
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.num_steps}")
+        if self.eagle_topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.eagle_topk}")
+        if self.eagle_topk > 1:
+            raise ValueError(
+                f"speculative_eagle_topk {self.eagle_topk} needs tree drafting, which tandem does not "
+                "have yet; use --speculative-eagle-topk 1 (chain drafts)"
+            )
+        if self.policy not in SPEC_POLICIES:
+            raise ValueError(f"speculative policy must be one of {SPEC_POLICIES}, got {self.policy!r}")
+
+    @property
+    def max_draft_len(self) -> int:
+        """The longest chain one round may draft."""
+        return min(self.num_steps or self.num_draft_tokens, self.num_draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -101,3 +130,30 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible server around one engine (`tandem serve`).
+
+    max_queued_requests: requests waiting beyond the engine's running slots (max_num_seqs)
+    before new ones get 503. drain_timeout_s: after SIGTERM, how long in-flight requests may
+    finish before they are aborted. cost_profile: JSON file with the target's forward cost
+    curve for the adaptive policy (None: the tandem cache, measured once per model/threads).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queued_requests: int = 64
+    served_model_name: str | None = None
+    drain_timeout_s: float = 30.0
+    cost_profile: str | None = None
+    reprofile: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")

@@ -21,6 +21,8 @@ from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
 from tandem.model.runner import ModelRunner, SeqInput
 from tandem.sampling import NonFiniteLogitsError, make_generator, processed_probs, sample
+from tandem.scheduler.cost_model import CostCurve
+from tandem.scheduler.policy import DraftSlot, SpeculationPolicy, create_policy
 from tandem.types import Draft, SpecStats
 from tandem.verify.chain import verify_chain
 
@@ -40,7 +42,9 @@ class StepUpdate:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, cost_curve: CostCurve | None = None) -> None:
+        """cost_curve: the target's measured forward seconds vs new tokens; the adaptive
+        speculation policy needs it (tandem serve profiles it at startup)."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -51,9 +55,11 @@ class Engine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         self.drafter: Drafter | None = None
+        self.policy: SpeculationPolicy | None = None
         if config.spec.algorithm:
             target = TargetInfo.of(loaded, tuple(self.eos_ids), config.device)
             self.drafter = create_drafter(config.spec, target)
+            self.policy = create_policy(config.spec, cost_curve)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SpecStats()
@@ -152,6 +158,8 @@ class Engine:
             req.hidden = {layer: h[b][: accepted + 1] for layer, h in out.hidden.items()}
             update = self._commit(req, tokens, drafted=len(draft), accepted=accepted)
             updates.append(update)
+            if self.policy is not None:
+                self.policy.observe(req.request_id, len(draft), accepted)
             outcomes.append(DraftOutcome(req.request_id, len(draft), accepted, update.new_token_ids))
         if self.drafter is not None:
             self.drafter.observe(outcomes)
@@ -160,26 +168,31 @@ class Engine:
     def _propose(self, batch: list[Request]) -> list[Draft]:
         if self.drafter is None:
             return [Draft.empty() for _ in batch]
+        # The policy decides every length before anything is drafted (non-anticipation).
+        budgets = self.policy.draft_lengths([DraftSlot(r.request_id, self._draft_budget(r)) for r in batch])
         inputs, rows = [], []
-        for i, req in enumerate(batch):
-            k = self._draft_budget(req)
+        for i, (req, k) in enumerate(zip(batch, budgets)):
             if k > 0:
                 rows.append(i)
                 inputs.append(
                     DraftInput(req.request_id, req.context, len(req.prompt_ids), k, req.params, req.generator, req.hidden)
                 )
         drafts = [Draft.empty() for _ in batch]
+        t0 = time.perf_counter()
         proposed = self.drafter.propose(inputs) if inputs else []
         for i, inp, draft in zip(rows, inputs, proposed):
             drafts[i] = draft.truncated(inp.max_draft_tokens)
+        if inputs:
+            self.policy.observe_draft_time(time.perf_counter() - t0, sum(len(drafts[i]) for i in rows))
         return drafts
 
     def _draft_budget(self, req: Request) -> int:
-        """Draft tokens this request may use this round: the configured k, never past its
-        max_tokens (the bonus token is free) or the cache's end."""
+        """The most draft tokens this request may use this round (the policy picks within it):
+        the configured length, never past its max_tokens (the bonus token is free) or the
+        cache's end."""
         remaining = req.params.max_tokens - len(req.output_ids) - 1
         room = self.config.max_model_len - self.cache.lengths[req.seq] - 1
-        return max(0, min(self.config.spec.num_draft_tokens, remaining, room))
+        return max(0, min(self.config.spec.max_draft_len, remaining, room))
 
     def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
         if req.params.greedy and req.params.repetition_penalty == 1.0:
@@ -231,6 +244,7 @@ class Engine:
             req.seq = None
         if self.drafter is not None:
             self.drafter.release(req.request_id)
+            self.policy.release(req.request_id)
 
     def _maybe_log(self) -> None:
         now = time.perf_counter()

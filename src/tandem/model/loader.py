@@ -61,6 +61,12 @@ BUILTIN_MODELS = {
     "gemma3-270m": _gemma3_gguf,
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The drafting method `tandem serve` uses for a built-in model when no --speculative-algorithm is
+# given (the one place to switch a model to a better drafter).
+DEFAULT_DRAFTERS = {
+    "smollm2-135m-instruct": "suffix",
+    "gemma3-270m": "suffix",
+}
 
 
 def cache_root() -> Path:

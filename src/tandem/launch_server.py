@@ -1,0 +1,178 @@
+"""`python -m tandem.launch_server` (= `tandem serve`): load a target and drafter, measure or load
+its cost curve, and serve the OpenAI API with uvicorn.
+
+    python -m tandem.launch_server --model-path smollm2-135m-instruct --speculative-algorithm suffix \\
+        --speculative-num-draft-tokens 4 --host 127.0.0.1 --port 8000 --max-running-requests 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from tandem.config import EngineConfig, ServerConfig, SpecConfig
+
+# The server adapts draft lengths to load by default; the library keeps SpecConfig's "fixed"
+# (what you configure is what runs) because a policy without a measured cost curve cannot adapt.
+SERVE_POLICY = "adaptive"
+NO_SPECULATION = ("none", "off")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from tandem.cli import add_model_args, add_spec_args
+    from tandem.config import SPEC_POLICIES
+
+    add_model_args(p)
+    add_spec_args(p)
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="draft depth (chains draft min(steps, draft tokens)); SGLang's flag")
+    p.add_argument("--speculative-eagle-topk", type=int, default=SpecConfig.eagle_topk,
+                   help="branches per draft step (only 1, chains, is built)")
+    p.add_argument("--speculative-policy", default=SERVE_POLICY, choices=SPEC_POLICIES,
+                   help="adaptive: draft length per request per step from load, cost curve and acceptance; "
+                        "fixed: always --speculative-num-draft-tokens")
+    p.add_argument("--host", default=ServerConfig.host)
+    p.add_argument("--port", type=int, default=ServerConfig.port)
+    p.add_argument("--max-running-requests", type=int, default=EngineConfig.max_num_seqs,
+                   help="requests decoded together (KV cache rows)")
+    p.add_argument("--max-queued-requests", type=int, default=ServerConfig.max_queued_requests,
+                   help="requests waiting for a running slot before new ones get 503")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout_s,
+                   help="seconds in-flight requests may finish after SIGTERM")
+    p.add_argument("--cost-profile", default=None,
+                   help="forward cost curve JSON for the adaptive policy (default: measured once, cached)")
+    p.add_argument("--reprofile", action="store_true", help="measure the cost curve again")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    from tandem.model.loader import DEFAULT_DRAFTERS
+
+    algorithm = args.speculative_algorithm
+    if algorithm is None:
+        algorithm = DEFAULT_DRAFTERS.get(args.model)
+    elif algorithm.lower() in NO_SPECULATION:
+        algorithm = None
+    spec = SpecConfig(
+        algorithm=algorithm,
+        num_draft_tokens=args.speculative_num_draft_tokens,
+        draft_model_path=args.speculative_draft_model_path,
+        num_steps=args.speculative_num_steps,
+        eagle_topk=args.speculative_eagle_topk,
+        policy=args.speculative_policy,
+    )
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_running_requests, threads=args.threads, spec=spec,
+    )
+    server = ServerConfig(
+        host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
+        served_model_name=args.served_model_name, drain_timeout_s=args.drain_timeout,
+        cost_profile=args.cost_profile, reprofile=args.reprofile,
+    )
+    return engine, server
+
+
+def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
+    """Load everything the server needs and return the FastAPI app (engine thread not started)."""
+    from tandem.engine.engine import Engine
+    from tandem.llm import configure_threads
+    from tandem.model.loader import load_model
+    from tandem.server.app import build_app
+    from tandem.server.async_engine import AsyncEngine
+    from tandem.server.metrics import ServerMetrics
+    from tandem.server.profile import cost_curve_for
+
+    threads = configure_threads(engine_config.threads)
+    loaded = load_model(engine_config.model, dtype=engine_config.dtype, quantization=engine_config.quantization,
+                        device=engine_config.device)
+    spec = engine_config.spec
+    curve = None
+    if spec.algorithm and spec.policy == "adaptive":
+        curve = cost_curve_for(loaded, engine_config.device, threads, server_config.cost_profile,
+                               server_config.reprofile)
+    engine = Engine(loaded, engine_config, cost_curve=curve)
+    # As in LLM: keep the cyclic GC from rescanning the loaded model mid-decoding.
+    gc.collect()
+    gc.freeze()
+    name = server_config.served_model_name or engine_config.model
+    async_engine = AsyncEngine(engine, server_config.max_queued_requests, ServerMetrics(name))
+    return build_app(async_engine, name, server_config.drain_timeout_s)
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
+    import uvicorn
+
+    app = build_server_app(engine_config, server_config)
+    spec = engine_config.spec
+    print(f"tandem serving {engine_config.model} on http://{server_config.host}:{server_config.port}/v1 "
+          f"(speculation: {spec.algorithm or 'off'}"
+          f"{f', policy {spec.policy}, up to {spec.max_draft_len} draft tokens' if spec.algorithm else ''})",
+          flush=True)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=log_level,
+                timeout_graceful_shutdown=server_config.drain_timeout_s)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    engine_config, server_config = configs_from_args(args)
+    return serve(engine_config, server_config, args.log_level)
+
+
+@dataclass
+class BackgroundServer:
+    """A uvicorn server on a thread of this process (tests, notebooks): `url` ends in /v1."""
+
+    server: object
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def serve_in_background(app, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 5.0) -> BackgroundServer:
+    """Start `app` on host:port (0 = a free port) and return once it accepts connections."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=drain_timeout_s))
+    thread = threading.Thread(target=server.run, name="tandem-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return BackgroundServer(server, thread, host, port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tandem.launch_server", description="tandem's OpenAI-compatible server")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_serve(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"tandem serve: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

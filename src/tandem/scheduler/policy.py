@@ -1,0 +1,186 @@
+"""The speculation policy: how many draft tokens each running request may use this round.
+
+Decided before anything is drafted, from the batch size, the target's measured forward cost curve
+and each request's acceptance in *earlier* rounds, never from the draft being decided about
+(ALGORITHMS.md section 3, non-anticipation): the verifier then stays lossless whatever k it picks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tandem.config import SpecConfig
+from tandem.scheduler.cost_model import CostCurve
+
+# Acceptance a request is assumed to have before it has drafted anything (per position). It must
+# predict a gain at batch 1 on a cheap-verification curve, or an idle policy would never draft
+# and never learn; rounds that show otherwise pull the estimate down within a few rounds.
+PRIOR_ACCEPTANCE = 0.6
+# Weight of the newest outcome in a request's per-position moving average (~3-round memory):
+# acceptance moves with the text (a quoted passage drafts well, free prose badly).
+REQUEST_EMA = 0.3
+# Weight of one round in the server-wide estimate new requests start from.
+GLOBAL_EMA = 0.05
+# Per round without a draft, a request's estimate relaxes this far toward the prior, so a request
+# switched off for poor acceptance is retried after some tens of rounds rather than never.
+RELAX = 0.03
+# Draft only when the predicted throughput beats plain decoding by this margin: the cost curve is
+# measured on a shared CPU, and being a little too cautious costs less than being slower.
+MIN_GAIN = 0.03
+
+
+@dataclass(frozen=True)
+class DraftSlot:
+    """One running request as the policy sees it this round: its id and the most draft tokens
+    it may take (its remaining max_tokens and cache room, capped by the configured length)."""
+
+    request_id: str
+    limit: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The last round's choice, for metrics and logs."""
+
+    batch: int
+    draft_lengths: tuple[int, ...]
+    predicted_speedup: float
+
+
+class SpeculationPolicy(ABC):
+    """Chooses draft lengths per round; learns from verification outcomes."""
+
+    def __init__(self) -> None:
+        self.last = Decision(0, (), 1.0)
+
+    @abstractmethod
+    def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
+        """One draft length per slot, each in [0, slot.limit]; 0 turns speculation off for it."""
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A request's draft of `drafted` tokens had its first `accepted` accepted."""
+
+    def observe_draft_time(self, seconds: float, tokens: int) -> None:
+        """The drafter spent `seconds` proposing `tokens` tokens (for the whole batch)."""
+
+    def release(self, request_id: str) -> None:
+        """The request finished: drop what the policy kept about it."""
+
+
+class FixedPolicy(SpeculationPolicy):
+    """The configured draft length every round (capped by each request's limit)."""
+
+    def __init__(self, spec: SpecConfig, curve: CostCurve | None = None) -> None:
+        super().__init__()
+        self.k = spec.max_draft_len
+
+    def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
+        ks = [max(0, min(self.k, s.limit)) for s in batch]
+        self.last = Decision(len(batch), tuple(ks), 1.0)
+        return ks
+
+
+class AdaptivePolicy(SpeculationPolicy):
+    """Maximise predicted committed tokens per second of the whole batch.
+
+    Request r with conditional acceptance a_r[i] (moving average of its own past rounds) commits
+    tau_r(k) = 1 + sum_{j<k} prod_{i<=j} a_r[i] tokens per forward with k drafts. The verification
+    forward pads every request to the longest chain, so with a common cap K it covers
+    B * (K + 1) tokens and costs curve(B * (K + 1)) (the runner's [B, T] layout), plus the
+    drafter's time. For each K in 0..k_max each request drafts min(K, limit, useful) where
+    `useful` drops positions whose expected tokens cost more draft time than they save; the K with
+    the best tokens/second wins if it beats plain decoding (K = 0: B tokens per curve(B)) by
+    MIN_GAIN. As the batch grows the curve turns linear and K falls to 0: speculation switches
+    itself off when verification stops being cheap.
+    """
+
+    def __init__(
+        self,
+        spec: SpecConfig,
+        curve: CostCurve | None,
+        prior: float = PRIOR_ACCEPTANCE,
+        min_gain: float = MIN_GAIN,
+    ) -> None:
+        super().__init__()
+        if curve is None:
+            raise ValueError(
+                "the adaptive speculation policy needs the target's forward cost curve: pass cost_curve= "
+                "(tandem serve measures it at startup), or use policy='fixed'"
+            )
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior acceptance must be in [0, 1], got {prior}")
+        self.curve = curve
+        self.k_max = spec.max_draft_len
+        self.prior = prior
+        self.min_gain = min_gain
+        self.global_acceptance = [prior] * self.k_max
+        self.acceptance: dict[str, list[float]] = {}
+        self.draft_seconds_per_token = 0.0
+
+    def _estimate(self, request_id: str) -> list[float]:
+        if request_id not in self.acceptance:
+            self.acceptance[request_id] = list(self.global_acceptance)
+        return self.acceptance[request_id]
+
+    def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
+        B = len(batch)
+        if B == 0:
+            return []
+        plain_seconds = self.curve(B)
+        survival = []  # survival[r][j] = P(draft tokens 0..j of request r all pass)
+        for slot in batch:
+            reach, s = 1.0, []
+            for a in self._estimate(slot.request_id)[: max(0, slot.limit)]:
+                reach *= a
+                # A position is worth drafting while its expected tokens beat the draft time they cost.
+                if reach * plain_seconds / B <= self.draft_seconds_per_token:
+                    break
+                s.append(reach)
+            survival.append(s)
+        best_ks, best_rate = [0] * B, B / plain_seconds
+        plain_rate = best_rate
+        for K in range(1, self.k_max + 1):
+            ks = [min(K, len(s)) for s in survival]
+            if max(ks) < K:
+                break  # no request can use a chain this long: larger K would repeat the last one
+            T = K + 1
+            committed = B + sum(sum(s[:k]) for s, k in zip(survival, ks))
+            seconds = self.curve(B * T) + self.draft_seconds_per_token * sum(ks)
+            rate = committed / seconds
+            if rate > best_rate and rate > plain_rate * (1.0 + self.min_gain):
+                best_ks, best_rate = ks, rate
+        self.last = Decision(B, tuple(best_ks), best_rate / plain_rate)
+        return best_ks
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        est = self._estimate(request_id)
+        if drafted == 0:
+            for i in range(len(est)):
+                est[i] += RELAX * (self.prior - est[i])
+            return
+        # Position i was graded when every earlier draft token passed; the first rejection ends it.
+        for i in range(min(drafted, accepted + 1, self.k_max)):
+            outcome = 1.0 if i < accepted else 0.0
+            est[i] += REQUEST_EMA * (outcome - est[i])
+            self.global_acceptance[i] += GLOBAL_EMA * (outcome - self.global_acceptance[i])
+
+    def observe_draft_time(self, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            per_token = seconds / tokens
+            self.draft_seconds_per_token += 0.2 * (per_token - self.draft_seconds_per_token)
+
+    def release(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+
+
+_POLICIES: dict[str, Callable[[SpecConfig, CostCurve | None], SpeculationPolicy]] = {
+    "fixed": FixedPolicy,
+    "adaptive": AdaptivePolicy,
+}
+
+
+def create_policy(spec: SpecConfig, curve: CostCurve | None = None) -> SpeculationPolicy:
+    """The policy spec.policy names (SpecConfig has validated the name)."""
+    return _POLICIES[spec.policy](spec, curve)

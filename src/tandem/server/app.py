@@ -1,0 +1,321 @@
+"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine.
+
+Every call becomes one Generation (n choices per prompt); a streaming response turns its deltas
+into server-sent events, a non-streaming one drains the same deltas, so both produce the same
+text. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.config import SamplingParams
+from tandem.server.async_engine import AsyncEngine, Delta, EngineStoppedError, Generation, QueueFullError
+from tandem.server.protocol import (
+    GREEDY_BELOW,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    _Sampling,
+)
+from tandem.types import SpecStats
+
+log = logging.getLogger("tandem.server")
+
+DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code=None, headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse(payload) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_none=False)
+    return f"data: {data}\n\n"
+
+
+class ServingContext:
+    """What the routes need: the engine, the served name, the context length, the tokenizer."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, drain_timeout_s: float) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.drain_timeout_s = drain_timeout_s
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.config.max_model_len
+        self.vocab_size = engine.engine.loaded.config.vocab_size
+
+
+def build_app(engine: AsyncEngine, model_name: str, drain_timeout_s: float = 30.0) -> FastAPI:
+    ctx = ServingContext(engine, model_name, drain_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        log.info("serving %s (max_model_len %d)", model_name, ctx.max_model_len)
+        yield
+        await engine.stop(drain_timeout_s)
+
+    app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server with lossless speculative decoding",
+                  responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                             503: {"model": ErrorResponse}})
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        headers = {"Retry-After": "1"} if err.status == 503 else None
+        return error_response(err.status, err.message, err.type, err.param, err.code, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "json_invalid":
+            detail = (first.get("ctx") or {}).get("error", "")
+            return error_response(400, f"the request body is not valid JSON: {detail}", "invalid_request_error")
+        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None  # loc starts with "body"
+        if param is None and first.get("type") == "model_attributes_type":
+            message = "the request body must be a JSON object (send Content-Type: application/json)"
+        return error_response(400, f"{param}: {message}" if param else message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        type_ = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return error_response(err.status_code, str(err.detail), type_)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(err).__name__}: {err}", "internal_error")
+
+    @app.get("/health")
+    async def health():
+        if not engine.healthy:
+            raise APIError(503, "the engine is not running (shutting down)", "service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=ctx.max_model_len)])
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = [_encode_prompt(ctx, p) for p in body.prompt_list()]
+        return await _serve(ctx, body, prompts, request, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prompt = _encode_chat(ctx, body)
+        return await _serve(ctx, body, [prompt], request, chat=True)
+
+    return app
+
+
+# ---- request -> engine ------------------------------------------------------------------------
+
+
+def _encode_prompt(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        bad = [t for t in prompt if not 0 <= t < ctx.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", param="prompt")
+        return list(prompt)
+    ids = ctx.tokenizer.encode(prompt)
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return list(ids)
+
+
+def _encode_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    tok = ctx.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise APIError(400, f"{ctx.model_name} has no chat template; use /v1/completions", param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as err:  # jinja raises for conversations a template rejects (role order ...)
+        raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from err
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return list(ids)
+
+
+def _sampling_params(ctx: ServingContext, body: _Sampling, prompts: list[list[int]]) -> list[list[SamplingParams]]:
+    """One SamplingParams per choice of each prompt; checks each prompt fits the context."""
+    out = []
+    for p in prompts:
+        room = ctx.max_model_len - len(p)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(p)} tokens; this model's context is {ctx.max_model_len} "
+                                "tokens: shorten the prompt", param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                           code="context_length_exceeded")
+        if body.max_tokens is not None and body.max_tokens > room:
+            raise APIError(400, f"max_tokens {body.max_tokens} + the prompt's {len(p)} tokens exceed this model's "
+                                f"context of {ctx.max_model_len} tokens: ask for at most {room}", param="max_tokens",
+                           code="context_length_exceeded")
+        choices = []
+        for i in range(body.n):
+            seed = None if body.seed is None else (body.seed + i) % 2**64
+            try:
+                choices.append(SamplingParams(
+                    temperature=0.0 if body.temperature < GREEDY_BELOW else body.temperature, top_k=max(0, body.top_k), top_p=body.top_p, min_p=body.min_p,
+                    repetition_penalty=body.repetition_penalty, max_tokens=body.max_tokens or room,
+                    seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
+                ))
+            except ValueError as err:
+                raise APIError(400, str(err)) from err
+        out.append(choices)
+    return out
+
+
+async def _serve(ctx: ServingContext, body: _Sampling, prompts: list[list[int]], request: Request, chat: bool):
+    if body.model is not None and body.model != ctx.model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
+                       param="model", code="model_not_found")
+    params = _sampling_params(ctx, body, prompts)
+    flat_prompts = [p for p, ps in zip(prompts, params) for _ in ps]
+    flat_params = [sp for ps in params for sp in ps]
+    if len(flat_params) > ctx.engine.capacity:
+        raise APIError(400, f"{len(prompts)} prompts x n={body.n} = {len(flat_params)} generations exceed what this "
+                            f"server holds at once ({ctx.engine.capacity}); split the request", param="n")
+    api_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        gen = ctx.engine.submit(flat_prompts, flat_params, api_id)
+    except QueueFullError as err:
+        raise APIError(503, str(err), "service_unavailable", code="queue_full") from err
+    except EngineStoppedError as err:
+        raise APIError(503, str(err), "service_unavailable", code="shutting_down") from err
+    prompt_tokens = sum(len(p) for p in prompts)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _stream_chat if chat else _stream_completion
+        return StreamingResponse(stream(ctx, gen, api_id, prompt_tokens, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts, outputs = await _drain(gen, request)
+    if any(o.error for o in outputs.values()):
+        message = next(o.error for o in outputs.values() if o.error)
+        raise APIError(500, message, "internal_error")
+    usage, spec = _usage(prompt_tokens, outputs)
+    model = ctx.model_name
+    if chat:
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=outputs[i].finish_reason)
+                   for i in sorted(texts)]
+        return ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
+    choices = [CompletionChoice(index=i, text=texts[i], finish_reason=outputs[i].finish_reason) for i in sorted(texts)]
+    return CompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
+
+
+async def _drain(gen: Generation, request: Request) -> tuple[dict[int, str], dict[int, Delta]]:
+    """Collect every delta; abort the generation if the client goes away first."""
+
+    async def watch():
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await request.is_disconnected():
+                gen.abort()
+                return
+
+    watcher = asyncio.create_task(watch())
+    texts: dict[int, str] = {i: "" for i in range(len(gen.choices))}
+    finals: dict[int, Delta] = {}
+    try:
+        async for index, delta in gen:
+            texts[index] += delta.text
+            if delta.finish_reason is not None:
+                finals[index] = delta
+    finally:
+        watcher.cancel()
+        gen.abort()  # no-op when every choice finished
+    return texts, finals
+
+
+def _usage(prompt_tokens: int, finals: dict[int, Delta]) -> tuple[Usage, dict]:
+    completion = sum(len(d.output.token_ids) for d in finals.values() if d.output is not None)
+    stats = SpecStats()
+    for d in finals.values():
+        if d.output is not None:
+            stats.merge(d.output.spec)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                 total_tokens=prompt_tokens + completion), stats.as_dict()
+
+
+def _error_event(delta: Delta) -> str:
+    return _sse(json.dumps({"error": {"message": delta.error, "type": "internal_error", "param": None, "code": None}}))
+
+
+async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    finals: dict[int, Delta] = {}
+    try:
+        async for index, delta in gen:
+            if delta.error:
+                yield _error_event(delta)
+            if delta.finish_reason is not None:
+                finals[index] = delta
+            if delta.text or delta.finish_reason is not None:
+                choice = CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason)
+                yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[choice]))
+        if include_usage:
+            usage, spec = _usage(prompt_tokens, finals)
+            yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[], usage=usage, spec=spec))
+        yield _sse("[DONE]")
+    finally:
+        gen.abort()  # the client went away mid-stream (or we finished: then a no-op)
+
+
+async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    finals: dict[int, Delta] = {}
+
+    def chunk(choices, **kw):
+        return _sse(ChatCompletionChunk(id=api_id, model=ctx.model_name, choices=choices, **kw))
+
+    try:
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                     for i in range(len(gen.choices))])
+        async for index, delta in gen:
+            if delta.error:
+                yield _error_event(delta)
+            if delta.text:
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text))])
+            if delta.finish_reason is not None:
+                finals[index] = delta
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=delta.finish_reason)])
+        if include_usage:
+            usage, spec = _usage(prompt_tokens, finals)
+            yield chunk([], usage=usage, spec=spec)
+        yield _sse("[DONE]")
+    finally:
+        gen.abort()

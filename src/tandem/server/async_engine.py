@@ -1,0 +1,254 @@
+"""The synchronous Engine behind an asyncio server: one background thread owns every torch call.
+
+The event loop sends commands (add, abort, stop) through a queue; the engine thread applies them
+between steps, runs `Engine.step` while there is work, and hands each step's updates back to the
+loop in one `call_soon_threadsafe`. A call to the API (n choices of several prompts) is one
+`Generation`: an async iterator of (choice index, Delta) that streaming and non-streaming
+responses both drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tandem.config import SamplingParams
+from tandem.engine.engine import Engine
+from tandem.server.metrics import ServerMetrics
+from tandem.types import RequestOutput
+
+log = logging.getLogger("tandem.server")
+
+IDLE_WAIT_S = 0.05
+
+
+class QueueFullError(RuntimeError):
+    """More requests than running slots + queue places: the caller should retry later."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is draining for shutdown (or died) and takes no new requests."""
+
+
+@dataclass
+class Delta:
+    """New output of one choice: text and tokens since the last delta; the final one carries the
+    finish reason and the whole RequestOutput (usage, spec stats)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Choice:
+    request_id: str
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    done: bool = False
+
+
+class Generation:
+    """Every choice of one API call; iterate for (index, Delta) until all have finished."""
+
+    def __init__(self, owner: "AsyncEngine", request_ids: list[str]) -> None:
+        self._owner = owner
+        now = time.perf_counter()
+        self.choices = [_Choice(rid, now) for rid in request_ids]
+        self._queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
+        self._open = len(request_ids)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, Delta]:
+        if self._open == 0:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is None:  # aborted
+            raise StopAsyncIteration
+        if item[1].finish_reason is not None:
+            self._open -= 1
+        return item
+
+    def _deliver(self, index: int, delta: Delta) -> None:
+        """On the event loop: record latencies, then queue the delta for the consumer."""
+        choice = self.choices[index]
+        if choice.done:
+            return
+        now = time.perf_counter()
+        metrics = self._owner.metrics
+        if delta.token_ids:
+            metrics.generation_tokens.inc(len(delta.token_ids))
+            if choice.first_token is None:
+                choice.first_token = now
+                metrics.time_to_first_token.observe(now - choice.arrival)
+                gaps = len(delta.token_ids) - 1
+                gap = 0.0
+            else:
+                gaps = len(delta.token_ids)
+                gap = (now - choice.last_token) / gaps
+            # Tokens committed together in one speculative round share the step's time.
+            for _ in range(gaps):
+                metrics.inter_token_latency.observe(gap)
+            choice.last_token = now
+        if delta.finish_reason is not None:
+            choice.done = True
+            self._owner._release(1)
+            metrics.record_finished(delta.finish_reason, delta.output, now - choice.arrival)
+        self._queue.put_nowait((index, delta))
+
+    def abort(self) -> None:
+        """Stop every unfinished choice (client gone); frees their cache rows. Idempotent."""
+        for choice in self.choices:
+            if not choice.done:
+                choice.done = True
+                self._owner._release(1)
+                self._owner.metrics.record_finished("abort", None, time.perf_counter() - choice.arrival)
+                self._owner._commands.put(("abort", choice.request_id))
+        self._open = 0
+        self._queue.put_nowait(None)
+
+
+class AsyncEngine:
+    """Owns the engine thread. max_queued: requests admitted beyond the engine's running slots."""
+
+    def __init__(self, engine: Engine, max_queued: int, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.capacity = engine.config.max_num_seqs + max_queued
+        self.in_flight = 0
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._targets: dict[str, tuple[Generation, int]] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = False
+
+    # ---- event-loop side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str) -> Generation:
+        """Queue one API call's choices (all or none); raises QueueFullError / EngineStoppedError."""
+        if not self.healthy:
+            raise EngineStoppedError("the server is shutting down and takes no new requests")
+        if self.in_flight + len(prompts) > self.capacity:
+            raise QueueFullError(
+                f"the server is at capacity ({self.in_flight} requests in flight; it runs "
+                f"{self.engine.config.max_num_seqs} and queues up to {self.capacity - self.engine.config.max_num_seqs}); "
+                "retry later"
+            )
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        gen = Generation(self, ids)
+        self.in_flight += len(prompts)
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        for i, (rid, ids_, sp) in enumerate(zip(ids, prompts, params)):
+            self._commands.put(("add", rid, ids_, sp, gen, i))
+        return gen
+
+    def _release(self, n: int) -> None:
+        self.in_flight -= n
+
+    async def stop(self, timeout_s: float) -> None:
+        """Take no new requests; let running ones finish for up to timeout_s, abort the rest."""
+        self._accepting = False
+        if self._thread is None:
+            return
+        self._commands.put(("stop", time.perf_counter() + timeout_s))
+        await asyncio.to_thread(self._thread.join)
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        deadline: float | None = None
+        while True:
+            stop_at = self._apply_commands(block=not engine.has_work())
+            if stop_at is not None:
+                deadline = stop_at
+            if deadline is not None and (not engine.has_work() or time.perf_counter() >= deadline):
+                self._abort_all("abort")
+                return
+            if not engine.has_work():
+                continue
+            try:
+                updates = engine.step()
+            except Exception:  # a bug must not take the server down: end what was in flight
+                log.exception("engine step failed; ending the requests in flight")
+                self._abort_all("error", "the engine failed while running this request; see the server log")
+                continue
+            out = []
+            for u in updates:
+                target = self._targets.get(u.request.request_id)
+                if target is None:
+                    continue
+                reason = u.request.finish_reason
+                delta = Delta(u.new_text, u.new_token_ids, reason, u.request.output() if reason else None)
+                if reason == "error":
+                    delta.error = "the model produced NaN or inf logits for this request; it was ended"
+                if reason:
+                    del self._targets[u.request.request_id]
+                out.append((target, delta))
+            self.metrics.record_step(engine)
+            if out:
+                self._loop.call_soon_threadsafe(_dispatch, out)
+
+    def _apply_commands(self, block: bool) -> float | None:
+        """Apply queued commands; returns a stop deadline if one arrived."""
+        stop_at = None
+        try:
+            cmd = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return None
+        while True:
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, prompt_ids, params, gen, index = cmd
+                try:
+                    self.engine.add_request(prompt_ids, params, request_id=rid)
+                    self._targets[rid] = (gen, index)
+                except ValueError as err:
+                    self._loop.call_soon_threadsafe(
+                        _dispatch, [((gen, index), Delta("", [], "error", error=str(err)))]
+                    )
+            elif kind == "abort":
+                if self._targets.pop(cmd[1], None) is not None:
+                    self.engine.abort(cmd[1])
+            elif kind == "stop":
+                stop_at = cmd[1]
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self.metrics.record_step(self.engine)
+        return stop_at
+
+    def _abort_all(self, reason: str, error: str | None = None) -> None:
+        out = []
+        for rid, target in list(self._targets.items()):
+            self.engine.abort(rid)
+            out.append((target, Delta("", [], reason, error=error)))
+        self._targets.clear()
+        self.metrics.record_step(self.engine)
+        if out:
+            self._loop.call_soon_threadsafe(_dispatch, out)
+
+
+def _dispatch(items: list[tuple[tuple[Generation, int], Delta]]) -> None:
+    for (gen, index), delta in items:
+        gen._deliver(index, delta)

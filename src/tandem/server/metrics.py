@@ -1,0 +1,88 @@
+"""Prometheus metrics for `GET /metrics`, named like vLLM's under a `tandem:` prefix.
+
+Speculation counters follow the engine's one SpecStats record (deltas per step); request
+counters and latency histograms are recorded where responses are produced. Counters are exposed
+with prometheus_client's `_total` suffix (e.g. `tandem:spec_decode_num_drafts_total`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem.types import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    """One registry per server (tests run several in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, {"model_name": model_name}
+
+        def counter(name, doc, labels=()):
+            c = Counter(name, doc, ["model_name", *labels], registry=r)
+            return c if labels else c.labels(**m)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["model_name"], registry=r).labels(**m)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**m)
+
+        self._model = m
+        self.request_success = counter("tandem:request_success", "Finished requests by finish reason", ["finished_reason"])
+        self.prompt_tokens = counter("tandem:prompt_tokens", "Prefilled prompt tokens")
+        self.generation_tokens = counter("tandem:generation_tokens", "Generated (committed) tokens")
+        self.running = gauge("tandem:num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("tandem:num_requests_waiting", "Requests admitted but waiting for a running slot")
+        self.time_to_first_token = histogram("tandem:time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "tandem:inter_token_latency_seconds",
+            "Time per output token after the first (tokens of one speculative round share its time)",
+            LATENCY_BUCKETS,
+        )
+        self.e2e_latency = histogram("tandem:e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS)
+        self.num_drafts = counter("tandem:spec_decode_num_drafts", "Speculative rounds that drafted tokens")
+        self.num_draft_tokens = counter("tandem:spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
+        self.num_accepted_tokens = counter("tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = counter(
+            "tandem:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position", ["position"]
+        )
+        self.draft_length = gauge(
+            "tandem:spec_decode_policy_draft_length", "Mean draft length the speculation policy chose in the last round"
+        )
+        self.predicted_speedup = gauge(
+            "tandem:spec_decode_policy_predicted_speedup",
+            "The policy's predicted throughput gain over plain decoding for the last round",
+        )
+        self._seen = (0, 0, 0, [])
+
+    def record_step(self, engine) -> None:
+        """After a step (engine thread): gauges and the speculation counters' increments."""
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting))
+        s = engine.stats
+        drafts, draft_tokens, accepted, per_pos = self._seen
+        self.num_drafts.inc(s.num_drafts - drafts)
+        self.num_draft_tokens.inc(s.num_draft_tokens - draft_tokens)
+        self.num_accepted_tokens.inc(s.num_accepted_tokens - accepted)
+        for pos, count in enumerate(s.accepted_per_position):
+            before = per_pos[pos] if pos < len(per_pos) else 0
+            if count > before or pos >= len(per_pos):  # a new position is exported even at 0
+                self.accepted_per_pos.labels(**self._model, position=str(pos)).inc(count - before)
+        self._seen = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position))
+        if engine.policy is not None and engine.policy.last.batch:
+            last = engine.policy.last
+            self.draft_length.set(sum(last.draft_lengths) / last.batch)
+            self.predicted_speedup.set(last.predicted_speedup)
+
+    def record_finished(self, reason: str, output: RequestOutput | None, seconds: float) -> None:
+        self.request_success.labels(**self._model, finished_reason=reason).inc()
+        if output is not None:
+            self.e2e_latency.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

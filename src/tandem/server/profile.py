@@ -1,0 +1,75 @@
+"""The target's forward cost curve for the adaptive speculation policy: measured once, then loaded.
+
+Profiles are JSON files ({"sizes": [...], "seconds": [...]} plus what they were measured on),
+cached under the tandem cache dir keyed by model, quantization, dtype, device and threads, so a
+restart does not pay the measurement again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from tandem.model.loader import LoadedModel, cache_root
+from tandem.scheduler.cost_model import CostCurve
+
+log = logging.getLogger("tandem.server")
+
+# Dense at small sizes (where batch-1 draft lengths are decided), sparse beyond; max_num_seqs
+# (draft length + 1) past 96 is extrapolated linearly, which is how a compute-bound forward grows.
+PROFILE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96)
+
+
+def profile_key(loaded: LoadedModel, device: str, threads: int) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(loaded.name).name)
+    digest = hashlib.sha1(loaded.name.encode()).hexdigest()[:8]
+    dtype = str(loaded.dtype).replace("torch.", "")
+    return f"{name}-{digest}-{loaded.quantization}-{dtype}-{device}-t{threads}"
+
+
+def default_profile_path(loaded: LoadedModel, device: str, threads: int) -> Path:
+    return cache_root() / "profiles" / f"{profile_key(loaded, device, threads)}.json"
+
+
+def load_profile(path: str | Path) -> CostCurve:
+    try:
+        data = json.loads(Path(path).read_text())
+        return CostCurve(tuple(int(n) for n in data["sizes"]), tuple(float(s) for s in data["seconds"]))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"cannot read the cost profile {path}: {err}; delete it or pass --reprofile to measure again"
+        ) from err
+
+
+def save_profile(curve: CostCurve, path: str | Path, meta: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({**meta, "sizes": list(curve.sizes), "seconds": list(curve.seconds)}, indent=1))
+
+
+def cost_curve_for(
+    loaded: LoadedModel, device: str, threads: int, path: str | None = None, remeasure: bool = False
+) -> CostCurve:
+    """The saved profile at `path` (default: the cache), or measure it now and save it there."""
+    target = Path(path) if path else default_profile_path(loaded, device, threads)
+    if target.exists() and not remeasure:
+        curve = load_profile(target)
+        log.info("forward cost curve from %s", target)
+        return curve
+    from tandem.bench.base import tandem_cost_curve
+
+    from tqdm import tqdm
+
+    points = {}
+    for n in tqdm(PROFILE_SIZES, desc="profiling forward cost (once per model/threads)", unit="size"):
+        points.update(tandem_cost_curve(loaded, repeats=3, sizes=(n,)))
+    curve = CostCurve.from_points(points)
+    log.info("forward cost curve saved to %s", target)
+    save_profile(curve, target, {"model": loaded.name, "quantization": loaded.quantization,
+                                 "dtype": str(loaded.dtype), "device": device, "threads": threads,
+                                 "torch": torch.__version__})
+    return curve

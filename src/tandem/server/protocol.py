@@ -1,0 +1,220 @@
+"""The OpenAI wire format tandem serves (completions, chat completions, models, errors), as
+pydantic models. Constraints live on the fields, so bad values are rejected before they reach
+the engine and the OpenAPI schema at /openapi.json states them. `top_k`, `min_p`,
+`repetition_penalty` and `ignore_eos` are vLLM-style extensions; `spec` on responses carries
+the request's speculation stats.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+# Temperatures below this are greedy (as in vLLM): dividing logits by a denormal overflows to inf.
+GREEDY_BELOW = 1e-5
+MAX_STOP = 8
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Fields OpenAI defines that tandem does not implement: a request asking for them gets a 400
+# naming the field instead of a silently different answer.
+UNSUPPORTED = {
+    "logprobs": "log probabilities",
+    "top_logprobs": "log probabilities",
+    "logit_bias": "logit_bias",
+    "echo": "echo",
+    "suffix": "suffix (insertion)",
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "functions": "function calling",
+    "response_format": "structured output",
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields completions and chat completions share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_BELOW}) = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, description="extension")
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not implemented: only 0")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not implemented: only 0")
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="extension: generate max_tokens even past EOS")
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _check_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in (None, False, 0, [], {}):
+                raise ValueError(f"{name}: {UNSUPPORTED[name]} is not supported by tandem")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text, texts, token ids, or lists of token ids (each is one prompt)"
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt list is empty")
+        if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
+            raise ValueError("a token-id prompt is empty")
+        return v
+
+    def prompt_list(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    spec: dict[str, Any] | None = Field(None, description="speculation stats of this request (tandem extension)")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    spec: dict[str, Any] | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    spec: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tandem"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,155 @@
+"""The speculation policy: adaptive draft lengths from load, a cost curve and acceptance history;
+the fixed policy; config checks; and the engine staying lossless under the adaptive policy."""
+
+import pytest
+
+from conftest import tiny_loaded
+from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.engine.engine import Engine
+from tandem.llm import LLM
+from tandem.scheduler.cost_model import CostCurve
+from tandem.scheduler.policy import AdaptivePolicy, DraftSlot, FixedPolicy, create_policy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# Verification nearly free: a forward over 128 tokens costs what one token costs.
+CHEAP = CostCurve.from_points({n: 0.010 + 0.00001 * n for n in SIZES})
+# Verification as expensive as decoding: time grows linearly with tokens.
+LINEAR = CostCurve.from_points({n: 0.010 * n for n in SIZES})
+# CPU-shaped: flat to ~4 tokens (per-op overhead), then compute-bound (CPU-NOTES int4 figures).
+CPU = CostCurve.from_points({1: 0.030, 2: 0.032, 4: 0.036, 8: 0.060, 16: 0.110, 32: 0.210, 64: 0.410, 128: 0.810})
+
+
+def adaptive(curve, k=6, **kw):
+    return AdaptivePolicy(SpecConfig(algorithm="suffix", num_draft_tokens=k, policy="adaptive"), curve, **kw)
+
+
+def slots(n, limit=6, prefix="r"):
+    return [DraftSlot(f"{prefix}{i}", limit) for i in range(n)]
+
+
+def teach(policy, request_id, accepted_of, rounds=12):
+    """Feed rounds in which the request drafted `accepted_of[1]` tokens and `accepted_of[0]` passed."""
+    accepted, drafted = accepted_of
+    for _ in range(rounds):
+        policy.observe(request_id, drafted, accepted)
+
+
+def test_expensive_verification_turns_speculation_off():
+    p = adaptive(LINEAR)
+    teach(p, "r0", (6, 6))  # even perfect acceptance cannot beat a linear curve by the margin
+    assert p.draft_lengths(slots(1)) == [0]
+    assert p.draft_lengths(slots(4)) == [0, 0, 0, 0]
+
+
+def test_cheap_verification_and_high_acceptance_draft_long():
+    p = adaptive(CHEAP, k=6)
+    teach(p, "r0", (6, 6))
+    assert p.draft_lengths(slots(1)) == [6]
+    assert p.last.predicted_speedup > 3
+
+
+def test_low_acceptance_drafts_short_or_nothing():
+    cheap = adaptive(CPU, k=6)
+    teach(cheap, "r0", (6, 6))
+    teach(cheap, "r1", (0, 6))  # rejected at the first token every time
+    ks = cheap.draft_lengths([DraftSlot("r0", 6), DraftSlot("r1", 6)])
+    assert ks[0] > 0 and ks[1] <= ks[0]
+    # The padded forward makes r1's slots free; any drafting time makes them not worth it.
+    for _ in range(20):
+        cheap.observe_draft_time(seconds=0.001, tokens=1)
+    ks = cheap.draft_lengths([DraftSlot("r0", 6), DraftSlot("r1", 6)])
+    assert ks[0] > 0 and ks[1] == 0
+    alone = adaptive(CPU, k=6)
+    teach(alone, "bad", (0, 6))
+    assert alone.draft_lengths([DraftSlot("bad", 6)]) == [0]
+
+
+def test_load_shrinks_the_draft_until_it_turns_off():
+    p = adaptive(CPU, k=6, prior=0.7)  # every request: 70% conditional acceptance per position
+    longest = [max(p.draft_lengths(slots(batch))) for batch in (1, 2, 4, 8, 16, 32)]
+    assert longest[0] >= 2, longest
+    assert longest[-1] == 0, longest
+    assert all(a >= b for a, b in zip(longest, longest[1:])), longest
+
+
+def test_limits_are_respected():
+    p = adaptive(CHEAP, k=6)
+    for rid in ("a", "b", "c"):
+        teach(p, rid, (6, 6))
+    assert p.draft_lengths([DraftSlot("a", 0), DraftSlot("b", 2), DraftSlot("c", 6)]) == [0, 2, 6]
+
+
+def test_acceptance_history_moves_the_length():
+    p = adaptive(CPU, k=6)
+    teach(p, "r", (6, 6))
+    high = p.draft_lengths([DraftSlot("r", 6)])[0]
+    teach(p, "r", (0, high), rounds=8)
+    low = p.draft_lengths([DraftSlot("r", 6)])[0]
+    assert high > 0 and low < high
+
+
+def test_switched_off_request_is_retried_later():
+    p = adaptive(CPU, k=6)
+    teach(p, "r", (0, 6))
+    assert p.draft_lengths([DraftSlot("r", 6)]) == [0]
+    for _ in range(100):  # rounds without a draft relax the estimate toward the prior
+        p.observe("r", 0, 0)
+    assert p.draft_lengths([DraftSlot("r", 6)])[0] > 0
+
+
+def test_new_requests_start_from_what_earlier_requests_showed():
+    p = adaptive(CPU, k=6)
+    for i in range(40):  # many short requests that never get their first draft token accepted
+        teach(p, f"old{i}", (0, 2), rounds=3)
+        p.release(f"old{i}")
+    assert p.draft_lengths([DraftSlot("new", 6)]) == [0]
+    assert "old0" not in p.acceptance  # released state is dropped
+
+
+def test_expensive_drafter_turns_speculation_off():
+    p = adaptive(CHEAP, k=6)
+    teach(p, "r", (6, 6))
+    assert p.draft_lengths([DraftSlot("r", 6)]) == [6]
+    for _ in range(20):
+        p.observe_draft_time(seconds=0.5, tokens=6)  # drafting a token costs 8x a whole forward
+    assert p.draft_lengths([DraftSlot("r", 6)]) == [0]
+
+
+def test_fixed_policy_and_num_steps():
+    spec = SpecConfig(algorithm="suffix", num_draft_tokens=4, num_steps=3)
+    assert spec.max_draft_len == 3
+    p = create_policy(spec)
+    assert isinstance(p, FixedPolicy)
+    assert p.draft_lengths([DraftSlot("a", 9), DraftSlot("b", 1), DraftSlot("c", 0)]) == [3, 1, 0]
+
+
+def test_config_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="tree drafting"):
+        SpecConfig(eagle_topk=2)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        SpecConfig(policy="greedy")
+    with pytest.raises(ValueError, match="num_steps"):
+        SpecConfig(num_steps=0)
+    with pytest.raises(ValueError, match="cost curve"):
+        create_policy(SpecConfig(algorithm="suffix", policy="adaptive"))
+
+
+PROMPTS = [[5, 17, 33, 8, 91, 4, 5, 17, 33, 8], [60, 61, 62, 60, 61, 62, 60], [7] * 11 + [12, 13], [40, 41, 42, 43]]
+
+
+@pytest.mark.parametrize("curve, drafts", [(CHEAP, True), (LINEAR, False)])
+def test_engine_with_adaptive_policy_is_lossless(curve, drafts):
+    _, loaded = tiny_loaded("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM.from_loaded(loaded, EngineConfig(max_model_len=128, max_num_seqs=1))
+    expected = [plain.generate(p, params)[0].token_ids for p in PROMPTS]
+    spec = SpecConfig(algorithm="suffix", num_draft_tokens=5, policy="adaptive")
+    engine = Engine(loaded, EngineConfig(max_model_len=128, max_num_seqs=4, spec=spec), cost_curve=curve)
+    reqs = [engine.add_request(p, params) for p in PROMPTS]
+    while engine.has_work():
+        engine.step()
+    assert [r.output_ids for r in reqs] == expected
+    assert (engine.stats.num_draft_tokens > 0) == drafts
+    assert engine.policy.acceptance == {}  # every finished request's state was released

@@ -1,0 +1,420 @@
+"""The OpenAI-compatible server on tiny random models, through the official `openai` client and
+raw HTTP: completions and chat, streaming == non-streaming, usage, n/seed/stop, concurrency,
+cancelled streams, every error status, metrics, and speculative output == plain output."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import math
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import ToyTokenizer, build_tiny, tiny_loaded
+from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.engine.engine import Engine
+from tandem.launch_server import serve_in_background
+from tandem.llm import LLM
+from tandem.model.loader import LoadedModel
+from tandem.scheduler.cost_model import CostCurve
+from tandem.server.app import build_app
+from tandem.server.async_engine import AsyncEngine
+from tandem.server.metrics import ServerMetrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAME = "tiny"
+MAX_LEN = 128
+ROLE_IDS = {"system": 3, "developer": 3, "user": 4, "assistant": 5, "tool": 6}
+GEN_PROMPT = 7
+
+
+class ChatToyTokenizer(ToyTokenizer):
+    """ToyTokenizer with a chat template: each message is its role id then its numbers."""
+
+    chat_template = "toy"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        ids = []
+        for m in messages:
+            ids += [ROLE_IDS[m["role"]]] + self.encode(m["content"])
+        return ids + [GEN_PROMPT] if add_generation_prompt else ids
+
+
+def chat_loaded(arch="llama"):
+    _, loaded = tiny_loaded(arch)
+    return dataclasses.replace(loaded, tokenizer=ChatToyTokenizer())
+
+
+def start(loaded, spec=SpecConfig(), max_num_seqs=4, max_queued=64, curve=None):
+    engine = Engine(loaded, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=max_num_seqs, spec=spec), cost_curve=curve)
+    server = serve_in_background(build_app(AsyncEngine(engine, max_queued, ServerMetrics(NAME)), NAME))
+    return server, engine
+
+
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
+def client(server) -> openai.OpenAI:
+    """One official client per server (thread-safe; creating one costs ~0.1 s)."""
+    if server.url not in _CLIENTS:
+        _CLIENTS[server.url] = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    return _CLIENTS[server.url]
+
+
+def plain_greedy(loaded, prompt_ids, max_tokens):
+    llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=1))
+    out = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    return out.text, out.finish_reason, len(out.token_ids)
+
+
+def text_of(ids):
+    return " ".join(map(str, ids))
+
+
+PROMPTS = [[5, 17, 33, 8, 91, 4], [60, 61, 62, 60, 61, 62], [7] * 11 + [12, 13], [40, 41, 42, 43, 44], [9, 8, 7, 6, 9, 8]]
+
+
+@pytest.fixture(scope="module")
+def spec_server(one_thread):
+    """Speculation on (suffix drafter, fixed 4 draft tokens): every answer must equal plain greedy."""
+    server, engine = start(chat_loaded(), SpecConfig(algorithm="suffix", num_draft_tokens=4))
+    yield server, engine
+    server.stop()
+
+
+def test_models_health_and_unknown_route(spec_server):
+    server, _ = spec_server
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [NAME]
+    base = server.url.removesuffix("/v1")
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    r = httpx.get(f"{base}/v1/nothing")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completion_equals_plain_greedy_and_usage_adds_up(spec_server):
+    server, _ = spec_server
+    loaded = chat_loaded()
+    for prompt in PROMPTS[:3]:
+        want_text, want_reason, want_n = plain_greedy(loaded, prompt, 24)
+        r = client(server).completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == want_text
+        assert r.choices[0].finish_reason == want_reason
+        assert r.usage.prompt_tokens == len(prompt)
+        assert r.usage.completion_tokens == want_n
+        assert r.usage.total_tokens == len(prompt) + want_n
+        spec = r.model_extra["spec"]
+        assert spec["num_target_forwards"] <= want_n
+        assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["mean_acceptance_length"] >= 1.0
+    # a text prompt goes through the tokenizer
+    r = client(server).completions.create(model=NAME, prompt=text_of(PROMPTS[0]), max_tokens=24, temperature=0)
+    assert r.choices[0].text == plain_greedy(loaded, PROMPTS[0], 24)[0]
+
+
+def test_chat_completion_uses_the_template(spec_server):
+    server, _ = spec_server
+    messages = [{"role": "system", "content": "11 12"}, {"role": "user", "content": "20 21 22 20 21"}]
+    ids = ChatToyTokenizer().apply_chat_template(messages)
+    want_text, want_reason, want_n = plain_greedy(chat_loaded(), ids, 20)
+    r = client(server).chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want_text
+    assert r.choices[0].finish_reason == want_reason
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == want_n
+    assert "spec" in r.model_extra
+
+
+def sse_events(url, body):
+    """Raw server-sent events of one streamed request: the JSON payloads and the final marker."""
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_equals_non_streaming(spec_server, chat):
+    server, _ = spec_server
+    c = client(server)
+    kw = dict(model=NAME, max_tokens=30, temperature=0)
+    if chat:
+        kw["messages"] = [{"role": "user", "content": text_of(PROMPTS[1])}]
+        full = c.chat.completions.create(**kw)
+        stream = c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        want = full.choices[0].message.content
+    else:
+        kw["prompt"] = PROMPTS[1]
+        full = c.completions.create(**kw)
+        stream = c.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        want = full.choices[0].text
+    assert text == want and len(chunks) > 2  # streamed in pieces
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert reasons == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+    # Raw SSE: JSON events, then [DONE] last; without include_usage there is no usage event.
+    path = "/chat/completions" if chat else "/completions"
+    body = {k: v for k, v in kw.items()} | {"stream": True}
+    events = sse_events(server.url + path, body)
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert all(p.get("usage") is None for p in payloads)
+
+
+@pytest.fixture(scope="module")
+def plain_server(one_thread):
+    server, engine = start(chat_loaded())
+    yield server, engine
+    server.stop()
+
+
+def test_n_choices_with_seeds(plain_server):
+    # Plain decoding: under speculation a seed fixes the sample only for identical drafts, and
+    # the suffix drafter's shared state changes drafts from one request to the next.
+    server, _ = plain_server
+    c = client(server)
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, n=3, seed=7)
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert sorted(ch.index for ch in a.choices) == [0, 1, 2]
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]  # seeded: reproducible
+    assert len({ch.text for ch in a.choices}) > 1  # each choice has its own stream of randomness
+    other = c.completions.create(**{**kw, "seed": 8})
+    assert [ch.text for ch in other.choices] != [ch.text for ch in a.choices]
+    assert a.usage.prompt_tokens == len(PROMPTS[0])
+    assert a.usage.completion_tokens == 3 * 16  # 16 each unless one sampled EOS
+    # n also streams: every choice index finishes once
+    chunks = list(c.completions.create(**kw, stream=True))
+    finished = sorted(ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason)
+    assert finished == [0, 1, 2]
+    texts = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in range(3)}
+    assert [texts[i] for i in range(3)] == [ch.text for ch in a.choices]
+
+
+def test_stop_string_ends_the_choice(spec_server):
+    server, _ = spec_server
+    c = client(server)
+    full = c.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0).choices[0].text
+    pieces = full.split(">")
+    stop = pieces[3] + ">"  # the 4th token's text
+    r = c.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.index(stop)]
+    assert stop not in r.choices[0].text
+
+
+def test_concurrent_requests_equal_single_request_output(spec_server):
+    server, engine = spec_server
+    loaded = chat_loaded()
+    prompts = [p[i:] + p[:i] for p in PROMPTS for i in range(3)]  # 15 prompts, 4 run at a time
+    want = [plain_greedy(loaded, p, 16)[0] for p in prompts]
+
+    def one(p):
+        return client(server).completions.create(model=NAME, prompt=p, max_tokens=16, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, prompts))
+    assert got == want
+    assert engine.cache.num_free == engine.config.max_num_seqs
+
+
+def test_cancelled_streams_abort_and_free_the_cache(spec_server):
+    server, engine = spec_server
+
+    async def cancel_one(http, i):
+        body = {"model": NAME, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 100, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        async with http.stream("POST", server.url + "/completions", json=body) as r:
+            assert r.status_code == 200
+            if i % 2:  # half leave while still queued, half after their first tokens
+                await asyncio.sleep(0.05)
+                return
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                    return
+
+    async def cancel_all():
+        async with httpx.AsyncClient(timeout=60) as http:
+            await asyncio.gather(*(cancel_one(http, i) for i in range(50)))
+
+    asyncio.run(cancel_all())
+    t0 = time.perf_counter()
+    r = client(server).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert time.perf_counter() - t0 < 10  # not stuck behind 50 abandoned 100-token requests
+    deadline = time.monotonic() + 10
+    while (engine.has_work() or engine.cache.num_free != engine.config.max_num_seqs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_work()
+    assert engine.cache.num_free == engine.config.max_num_seqs
+    assert engine.drafter is not None and engine.policy is not None
+
+
+ERRORS = [
+    # (path, body, status, param)
+    ("/completions", {"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+    ("/completions", {"prompt": [1, 2], "temperature": 2.5}, 400, "temperature"),
+    ("/completions", {"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
+    ("/completions", {"prompt": [1, 2], "top_p": 1.5}, 400, "top_p"),
+    ("/completions", {"prompt": [1, 2], "max_tokens": -5}, 400, "max_tokens"),
+    ("/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+    ("/completions", {"prompt": [1, 2], "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/completions", {"prompt": [1] * (MAX_LEN + 5)}, 400, "prompt"),
+    ("/completions", {"prompt": [1, 200]}, 400, "prompt"),
+    ("/completions", {"prompt": []}, 400, "prompt"),
+    ("/completions", {"prompt": [1, 2], "n": 1000}, 400, "n"),
+    ("/completions", {"prompt": [1, 2], "stop": [""]}, 400, "stop"),
+    ("/completions", {"prompt": [1, 2], "logprobs": 3}, 400, None),
+    ("/completions", {"prompt": [1, 2], "seed": 2**70}, 400, "seed"),
+    ("/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
+    ("/chat/completions", {"messages": []}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "wizard", "content": "1"}]}, 400, "messages.0.role"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1 2"}], "model": "nope"}, 404, "model"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": " ".join(["1"] * MAX_LEN)}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", ERRORS)
+def test_errors_use_the_openai_body(spec_server, path, body, status, param):
+    server, _ = spec_server
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"]
+
+
+def test_malformed_json_and_client_exceptions(spec_server):
+    server, _ = spec_server
+    r = httpx.post(server.url + "/completions", content=b'{"prompt": [1, 2', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    c = client(server)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=NAME, prompt=[1, 2], max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="other", messages=[{"role": "user", "content": "1"}])
+
+
+def test_metrics_count_what_responses_report(spec_server):
+    server, _ = spec_server
+    base = server.url.removesuffix("/v1")
+
+    def scrape():
+        """{(name, frozenset of label pairs): value} from the Prometheus text format."""
+        values = {}
+        for line in httpx.get(f"{base}/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                series, value = line.rsplit(" ", 1)
+                name, _, labels = series.partition("{")
+                pairs = frozenset(tuple(kv.split("=", 1)) for kv in labels.rstrip("}").split(",") if kv)
+                values[(name, pairs)] = float(value)
+        return values
+
+    def metric(values, name, **labels):
+        want = frozenset([("model_name", f'"{NAME}"')] + [(k, f'"{v}"') for k, v in labels.items()])
+        return values.get((name, want), 0.0)
+
+    before = scrape()
+    r = client(server).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=30, temperature=0)
+    after = scrape()
+    spec = r.model_extra["spec"]
+    for key, name in [("num_drafts", "tandem:spec_decode_num_drafts_total"),
+                      ("num_draft_tokens", "tandem:spec_decode_num_draft_tokens_total"),
+                      ("num_accepted_tokens", "tandem:spec_decode_num_accepted_tokens_total")]:
+        assert metric(after, name) - metric(before, name) == spec[key], name
+    for pos, count in enumerate(spec["accepted_per_position"]):
+        name = "tandem:spec_decode_num_accepted_tokens_per_pos_total"
+        assert metric(after, name, position=pos) - metric(before, name, position=pos) == count
+    assert metric(after, "tandem:request_success_total", finished_reason="length") - \
+        metric(before, "tandem:request_success_total", finished_reason="length") == 1
+    assert metric(after, "tandem:generation_tokens_total") - metric(before, "tandem:generation_tokens_total") == 30
+    assert metric(after, "tandem:prompt_tokens_total") - metric(before, "tandem:prompt_tokens_total") == len(PROMPTS[3])
+    assert metric(after, "tandem:time_to_first_token_seconds_count") - metric(before, "tandem:time_to_first_token_seconds_count") == 1
+    assert metric(after, "tandem:inter_token_latency_seconds_count") - metric(before, "tandem:inter_token_latency_seconds_count") == 29
+    assert metric(after, "tandem:e2e_request_latency_seconds_count") - metric(before, "tandem:e2e_request_latency_seconds_count") == 1
+    assert metric(after, "tandem:num_requests_running") == 0
+    assert metric(after, "tandem:num_requests_waiting") == 0
+
+
+def test_full_queue_returns_503():
+    server, engine = start(chat_loaded(), max_num_seqs=1, max_queued=1)
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 120, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as http:
+            holds = [http.stream("POST", server.url + "/completions", json=body) for _ in range(2)]
+            responses = [h.__enter__() for h in holds]  # one running, one queued
+            assert [r.status_code for r in responses] == [200, 200]
+            r = httpx.post(server.url + "/completions", json={"prompt": PROMPTS[0], "max_tokens": 4})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+            assert r.headers["retry-after"]
+            with pytest.raises(openai.InternalServerError):
+                client(server).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4)
+            for h in holds:
+                h.__exit__(None, None, None)
+        deadline = time.monotonic() + 10
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = client(server).completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4)  # room again
+        assert r.usage.completion_tokens >= 1
+    finally:
+        server.stop()
+
+
+def test_nan_logits_end_only_that_request():
+    _, model = build_tiny("qwen2", seed=3)  # untied LM head: a NaN embedding row poisons only its own sequence
+    model.embed.data[96] = math.nan
+    loaded = LoadedModel(model, ChatToyTokenizer(), model.cfg, "tiny-nan", torch.float32, "none")
+    server, engine = start(loaded, SpecConfig(algorithm="suffix", num_draft_tokens=3))
+    try:
+        good_prompt = PROMPTS[1]
+        want = plain_greedy(loaded, good_prompt, 24)[0]
+
+        def good():
+            return client(server).completions.create(model=NAME, prompt=good_prompt, max_tokens=24, temperature=0)
+
+        def bad():
+            return httpx.post(server.url + "/completions", json={"prompt": [5, 96, 7], "max_tokens": 24}, timeout=30)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(good), pool.submit(bad), pool.submit(good)]
+            results = [f.result() for f in futures]
+        assert results[0].choices[0].text == want and results[2].choices[0].text == want
+        assert results[1].status_code == 500
+        assert "NaN" in results[1].json()["error"]["message"]
+        events = sse_events(server.url + "/completions", {"prompt": [5, 96, 7], "max_tokens": 5, "stream": True})
+        assert "error" in json.loads(events[0]) and events[-1] == "[DONE]"
+        assert engine.cache.num_free == engine.config.max_num_seqs
+    finally:
+        server.stop()
+
+
+def test_adaptive_policy_server_is_lossless_under_load():
+    cheap = CostCurve.from_points({1: 0.01, 64: 0.0101, 128: 0.0102})
+    spec = SpecConfig(algorithm="suffix", num_draft_tokens=5, policy="adaptive")
+    server, engine = start(chat_loaded(), spec, curve=cheap)
+    try:
+        loaded = chat_loaded()
+        want = [plain_greedy(loaded, p, 30)[0] for p in PROMPTS]
+
+        def one(p):
+            return client(server).completions.create(model=NAME, prompt=p, max_tokens=30, temperature=0).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(one, PROMPTS)) == want
+        assert engine.stats.num_draft_tokens > 0  # the cheap curve made it speculate
+    finally:
+        server.stop()
