@@ -1,13 +1,30 @@
-"""`tandem bench spec` core on a tiny random model: report structure, greedy identity, ratio definitions."""
+"""`tandem bench spec`: the core on tiny random models (report structure, Spec-Bench ratio definitions,
+greedy identity, draft accounting), method parsing, and the whole command end to end on tiny model
+directories (valid JSON and PNG plots)."""
 
 from __future__ import annotations
 
 import json
+import statistics
+from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import tiny_loaded
-from tandem.bench.spec import OVERALL, SpecCase, plot_spec, print_identity, print_table, run_spec_bench
+from conftest import build_tiny, tiny_hf_config, tiny_loaded
+from tandem.bench.spec import (
+    OVERALL,
+    Baselines,
+    DraftProfile,
+    Method,
+    SpecCase,
+    parse_methods,
+    print_identity,
+    print_table,
+    run_spec_bench,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Repetitive prompts so n-gram / suffix drafts get matched (and sometimes accepted) on a random model.
 CASES = [
@@ -15,55 +32,222 @@ CASES = [
     SpecCase("summarization", [10, 11, 12, 10, 11, 12, 10, 11], 2),
     SpecCase("qa", [30, 31, 30, 31, 30, 31], 3),
 ]
-METHODS = ["ngram", "suffix"]
+METHODS = [Method("ngram"), Method("suffix")]
+LABELS = [m.label for m in METHODS]
 
 
 @pytest.fixture(scope="module")
 def report():
     hf, loaded = tiny_loaded("llama")
+    assistant, _ = tiny_loaded("qwen2", 1)  # same vocabulary, unrelated weights
+    baselines = Baselines(hf, pld_tokens=4, assistant=assistant, assistant_name="tiny-qwen2")
     return run_spec_bench(loaded, CASES, methods=METHODS, num_draft_tokens=3, max_new_tokens=16,
-                          hf_model=hf, hf_pld_tokens=4, warmup_ids=[40, 41, 42], progress=False)
+                          baselines=baselines, warmup_ids=[40, 41, 42], progress=False)
 
 
 def test_report_structure(report):
     assert list(report["categories"]) == ["summarization", "qa", OVERALL]
     assert report["categories"][OVERALL]["num_prompts"] == len(CASES)
-    assert report["methods"] == METHODS and len(report["prompts"]) == len(CASES)
-    json.dumps(report)  # the --out file
+    assert [m["label"] for m in report["methods"]] == LABELS and len(report["prompts"]) == len(CASES)
+    assert set(report["categories"][OVERALL]["transformers"]) == {"plain", "prompt_lookup", "assisted"}
+    assert report["transformers"]["assisted"]["applicable"] is True
+    assert "tau" in report["definitions"] and "acceptance_rate" in report["definitions"]
+    json.loads(json.dumps(report))  # the --json file
 
 
-def test_stats_and_ratios(report):
+def test_tokens_per_second_is_the_mean_of_per_prompt_rates(report):
+    """Spec-Bench's definition: mean over prompts of tokens/seconds, speedup = ratio of those means."""
+    prompts = report["prompts"]
     for cat, row in report["categories"].items():
+        idx = [i for i, p in enumerate(prompts) if cat == OVERALL or p["category"] == cat]
+        for engine, rows in (("tandem", row["tandem"]), ("transformers", row["transformers"])):
+            for name, r in rows.items():
+                key = f"{engine} {name}"
+                rates = [prompts[i]["generated"][key] / prompts[i]["seconds"][key] for i in idx]
+                assert r["tokens_per_second"] == pytest.approx(statistics.fmean(rates), rel=1e-2)
+        plain = row["tandem"]["plain"]
+        for name in LABELS:
+            assert row["tandem"][name]["speedup"] == pytest.approx(row["tandem"][name]["tokens_per_second"] / plain["tokens_per_second"])
+        hf = row["transformers"]
+        for name in ("prompt_lookup", "assisted"):
+            assert hf[name]["speedup"] == pytest.approx(hf[name]["tokens_per_second"] / hf["plain"]["tokens_per_second"])
+
+
+def test_spec_stats(report):
+    for row in report["categories"].values():
         plain = row["tandem"]["plain"]
         assert plain["tau"] == pytest.approx(1.0)  # plain decoding commits one token per forward
-        assert plain["tokens"] > 0 and plain["tokens_per_second"] > 0
-        for m in METHODS:
+        for m in LABELS:
             r = row["tandem"][m]
-            assert r["tau"] >= 1.0
-            assert 0.0 <= r["acceptance_rate"] <= 1.0
+            assert r["tau"] >= 1.0 and 0.0 <= r["acceptance_rate"] <= 1.0
             assert r["tokens"] == plain["tokens"]  # identical greedy output -> identical counts
-            assert r["tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-3)
-            assert r["speedup"] == pytest.approx(r["tokens_per_second"] / plain["tokens_per_second"])
-        hf = row["transformers"]
-        assert hf["pld"]["speedup"] == pytest.approx(hf["pld"]["tokens_per_second"] / hf["plain"]["tokens_per_second"])
-    # The overall row aggregates the categories' counters (SpecStats.merge), not their ratios.
-    for m in METHODS:
-        total = sum(report["categories"][c]["tandem"][m]["spec"]["num_draft_tokens"] for c in ("summarization", "qa"))
-        assert report["categories"][OVERALL]["tandem"][m]["spec"]["num_draft_tokens"] == total
-    assert any(report["categories"][OVERALL]["tandem"][m]["spec"]["num_accepted_tokens"] > 0 for m in METHODS)
+            assert all(0.0 <= a <= 1.0 for a in r["acceptance_per_position"] + r["drafted_acceptance"])
+    # The overall row aggregates the subtasks' counters, not their ratios.
+    for m in LABELS:
+        for key in ("num_draft_tokens", "num_accepted_tokens"):
+            total = sum(report["categories"][c]["tandem"][m]["spec"][key] for c in ("summarization", "qa"))
+            assert report["categories"][OVERALL]["tandem"][m]["spec"][key] == total
+    assert any(report["categories"][OVERALL]["tandem"][m]["spec"]["num_accepted_tokens"] > 0 for m in LABELS)
+
+
+def test_draft_accounting_matches_the_engine_counters(report):
+    """The probe around the drafter sees the same accepted tokens as SpecStats, and each position's
+    drafted acceptance is passed / reached with passed[i] = reached[i + 1] (worked chain rule)."""
+    for m in LABELS:
+        r = report["categories"][OVERALL]["tandem"][m]
+        d = r["draft"]
+        assert sum(d["passed_per_position"]) == r["spec"]["num_accepted_tokens"]
+        reached, passed = d["reached_per_position"], d["passed_per_position"]
+        assert all(p <= q for p, q in zip(passed, reached))
+        assert all(passed[i] >= reached[i + 1] for i in range(len(reached) - 1))
+        assert r["draft_seconds"] > 0
+
+
+def test_draft_profile_record_and_merge():
+    a = DraftProfile()
+    a.record(budget=4, accepted=2)  # positions 0, 1, 2 reached; 0, 1 passed
+    a.record(budget=2, accepted=2)  # both reached and passed (the bonus token is not a position)
+    a.record(budget=3, accepted=0)  # only position 0 reached
+    assert a.reached == [3, 2, 1, 0] and a.passed == [2, 2, 0, 0]
+    assert a.acceptance() == pytest.approx([2 / 3, 1.0, 0.0, 0.0])
+    assert a.acceptance(6)[4:] == [0.0, 0.0]
+    b = DraftProfile()
+    b.record(budget=1, accepted=1)
+    b.seconds = 0.5
+    a.merge(b)
+    assert a.reached == [4, 2, 1, 0] and a.passed == [3, 2, 0, 0] and a.rounds == 4 and a.requested == 10
+    assert a.seconds_per_position == pytest.approx(0.05)
 
 
 def test_greedy_identity(report):
-    for m in METHODS:
+    for m in LABELS:
         assert report["identity"][m]["mismatches"] == 0, report["identity"][m]["details"]
-    assert report["identity_transformers_pld"]["mismatches"] == 0
+    for name, v in report["identity_transformers"].items():
+        assert v["mismatches"] == 0, (name, v["details"])
 
 
-def test_output(report, tmp_path, capsys):
+def test_sampling_run_is_seeded_and_skips_identity():
+    _, loaded = tiny_loaded("llama")
+    runs = [run_spec_bench(loaded, CASES[:2], methods=METHODS[:1], num_draft_tokens=3, max_new_tokens=12,
+                           temperature=0.9, seed=seed, progress=False) for seed in (7, 7, 8)]
+    assert runs[0]["identity"] is None and runs[0]["temperature"] == 0.9
+    stats = [r["categories"][OVERALL]["tandem"]["ngram"]["spec"] for r in runs]
+    assert stats[0] == stats[1]  # same seed: same draws, same acceptance counters
+    assert [p["generated"] for p in runs[0]["prompts"]] == [p["generated"] for p in runs[1]["prompts"]]
+
+
+def test_printing(report, capsys):
     print_table(report)
     print_identity(report)
     out = capsys.readouterr().out
-    assert "summarization" in out and OVERALL in out and "ngram 0/3" in out
-    pytest.importorskip("matplotlib")
-    plot_spec(report, str(tmp_path / "spec.png"))
-    assert (tmp_path / "spec.png").stat().st_size > 0
+    assert "summarization" in out and OVERALL in out and "ngram 0/3" in out and "hf assisted" in out
+
+
+def test_parse_methods():
+    assert parse_methods(["ngram,suffix", "draft_model=/x/tiny-draft"]) == [
+        Method("ngram"), Method("suffix"), Method("draft_model", "/x/tiny-draft")]
+    assert Method("draft_model", "/x/tiny-draft/").label == "draft_model(tiny-draft)"
+    with pytest.raises(ValueError, match="unknown drafter 'nope'.*registered: .*ngram"):
+        parse_methods(["ngram,nope"])
+    with pytest.raises(ValueError, match="twice"):
+        parse_methods(["ngram", "ngram"])
+    with pytest.raises(ValueError, match="empty"):
+        parse_methods([","])
+
+
+# ---- the command end to end, on tiny model directories with a real tokenizer ------------------------
+
+
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from tandem.model.loader import ModelNotFoundError, _ensure_gguf_metadata, resolve_model
+
+    try:
+        src = resolve_model("smollm2-135m-instruct")
+    except ModelNotFoundError as err:
+        pytest.skip(f"needs the bundled SmolLM2 tokenizer: {err}")
+    _ensure_gguf_metadata(src)
+    return AutoTokenizer.from_pretrained(str(src.hf_dir))
+
+
+def save_tiny_family(root: Path, target_layers: int = 12) -> dict[str, str]:
+    """Tiny HF model directories sharing SmolLM2's tokenizer (49152 tokens):
+
+    target: `target_layers` layers, of which all but the first add nothing (zero attention and MLP
+            output projections), so its logits are those of its first layer alone;
+    early:  that first layer alone: the same greedy tokens as the target at a fraction of the cost,
+            a draft model with controlled (full) agreement;
+    other:  an unrelated one-layer model: a draft model that almost never agrees.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tok = smollm2_tokenizer()
+    shape = dict(vocab_size=len(tok), max_position_embeddings=4096, eos_token_id=tok.eos_token_id)
+    hf, _ = build_tiny("llama", seed=0, num_hidden_layers=target_layers, **shape)
+    with torch.no_grad():
+        for layer in hf.model.layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    early = AutoModelForCausalLM.from_config(tiny_hf_config("llama", num_hidden_layers=1, **shape))
+    kept = {k: v for k, v in hf.state_dict().items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    early.load_state_dict(kept, strict=True)
+    other, _ = build_tiny("llama", seed=5, num_hidden_layers=1, **shape)
+    dirs = {}
+    for name, model in (("target", hf), ("early", early), ("other", other)):
+        d = root / name
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+        dirs[name] = str(d)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    return save_tiny_family(tmp_path_factory.mktemp("tiny_models"))
+
+
+def test_tiny_family_agreement(tiny_dirs):
+    """The premise of the advisor's test: `early` reproduces the target's logits, `other` does not."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 200, 3000, 45, 9000, 12]])
+    logits = {n: AutoModelForCausalLM.from_pretrained(d)(ids).logits for n, d in tiny_dirs.items()}
+    torch.testing.assert_close(logits["early"], logits["target"], atol=1e-4, rtol=1e-4)
+    assert (logits["other"].argmax(-1) != logits["target"].argmax(-1)).float().mean() > 0.5
+
+
+def test_bench_spec_command_writes_json_and_plots(tiny_dirs, tmp_path, capsys, monkeypatch):
+    from tandem.cli import main
+    from tandem.drafters import base
+
+    # Other test modules register scripted drafters; the default method list is about the real ones.
+    monkeypatch.setattr(base, "_REGISTRY", {k: v for k, v in base._REGISTRY.items() if not k.startswith("test_")})
+
+    out_json, plots = tmp_path / "spec.json", tmp_path / "plots"
+    rc = main(["bench", "spec", "--model", tiny_dirs["target"], "--limit", "2", "--max-new-tokens", "8",
+               "--hf-assistant", tiny_dirs["early"], "--json", str(out_json), "--plots", str(plots), "--threads", "1"])
+    assert rc == 0  # greedy identity held for every method
+    report = json.loads(out_json.read_text())
+    # The default methods: every registered drafter that needs no files; the others say why not.
+    labels = [m["label"] for m in report["methods"]]
+    assert "ngram" in labels and "suffix" in labels
+    assert "draft_model_path" in report["skipped_methods"]["draft_model"]
+    assert report["categories"][OVERALL]["num_prompts"] == 12 == 2 * (len(report["categories"]) - 1)
+    assert report["transformers"]["assisted"]["applicable"] and report["identity_transformers"]["assisted"]["mismatches"] == 0
+    assert sorted(int(n) for n in report["cost_curve"]) == [1, 2, 4, 8, 16, 32, 64]
+    pngs = sorted(p.name for p in plots.iterdir())
+    assert pngs == ["acceptance_per_position.png", "cost_curve.png", "speedup_by_subtask.png", "tau_vs_draft_length.png"]
+    for p in plots.iterdir():
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+    assert "greedy identity" in capsys.readouterr().out
+
+
+def test_assistant_not_applicable_is_explained():
+    from tandem.bench.spec import pick_assistant
+
+    smollm2_tokenizer()
+    name, why = pick_assistant("smollm2-135m-instruct", "auto")
+    assert name is None and "no built-in model is smaller" in why
+    assert pick_assistant("smollm2-135m-instruct", "none") == (None, "disabled with --hf-assistant none")
+    assert pick_assistant("/some/model", "/some/assistant") == ("/some/assistant", "")

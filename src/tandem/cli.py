@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from tandem.advise import add_advise_parser
+
+    add_advise_parser(sub)
     return parser
 
 

@@ -24,21 +24,30 @@ def add_bench_parser(sub) -> None:
     base.add_argument("--plot", default="results/bench_base.png")
     base.set_defaults(func=_run_base)
 
-    spec = kinds.add_parser("spec", help="speculative decoding, Spec-Bench style: tandem methods vs plain, transformers PLD vs plain")
+    spec = kinds.add_parser("spec", help="speculative decoding, Spec-Bench style: every drafter vs plain, "
+                                         "transformers prompt lookup / assisted generation vs its plain generate")
     spec.add_argument("--model", default=DEFAULT_MODEL)
     spec.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES)
     spec.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
-    spec.add_argument("--methods", nargs="+", default=["ngram", "suffix"], help="drafter names")
-    spec.add_argument("--num-draft-tokens", type=int, default=4)
-    spec.add_argument("--per-category", type=int, default=3, help="first N prompts of each Spec-Bench category")
+    spec.add_argument("--methods", nargs="+", default=None, metavar="NAME[=PATH]",
+                      help="drafters, comma- or space-separated, e.g. ngram,suffix,draft_model=PATH "
+                           "(default: every registered drafter that needs no extra files)")
+    spec.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    spec.add_argument("--limit", type=int, default=3, help="first N prompts of each Spec-Bench subtask")
     spec.add_argument("--categories", nargs="+", default=None,
                       help="subset of multi_turn translation summarization qa math_reasoning rag")
     spec.add_argument("--max-new-tokens", type=int, default=128)
+    spec.add_argument("--temperature", type=float, default=0.0,
+                      help="0 = greedy (identity checked); > 0 = seeded sampling, seed + prompt index per prompt")
+    spec.add_argument("--seed", type=int, default=0)
     spec.add_argument("--hf-pld-tokens", type=int, default=10, help="transformers prompt_lookup_num_tokens")
+    spec.add_argument("--hf-assistant", default="auto",
+                      help="assistant model for transformers assisted generation: a model name/path, "
+                           "auto (a smaller built-in model with the same tokenizer) or none")
     spec.add_argument("--threads", type=int, default=None)
     spec.add_argument("--skip-transformers", action="store_true")
-    spec.add_argument("--out", default="results/bench_spec.json")
-    spec.add_argument("--plot", default="results/bench_spec.png")
+    spec.add_argument("--json", default="results/bench_spec.json", help="report path ('' to skip)")
+    spec.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
     spec.set_defaults(func=_run_spec)
 
 
@@ -58,4 +67,4 @@ def _run_spec(args: argparse.Namespace) -> int:
     configure_threads(args.threads)
     report = bench_spec(args)
     # A greedy mismatch means a method changed the output: a bug, so the exit status says so.
-    return 1 if any(v["mismatches"] for v in report["identity"].values()) else 0
+    return 1 if any(v["mismatches"] for v in (report["identity"] or {}).values()) else 0

@@ -32,3 +32,44 @@ def spec_bench_prompts(per_category: int | None = None, categories: list[str] | 
         counts[cat] = counts.get(cat, 0) + 1
         out.append(BenchPrompt(rec["question_id"], cat, rec["turns"][0]))
     return out
+
+
+def spread_prompts(limit: int) -> list[BenchPrompt]:
+    """`limit` Spec-Bench prompts taken round-robin over the subtasks (a quick, varied sample)."""
+    if limit < 1:
+        raise ValueError(f"need at least one prompt, got limit {limit}")
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for p in spec_bench_prompts():
+        by_cat.setdefault(p.category, []).append(p)
+    out: list[BenchPrompt] = []
+    for i in range(max(len(v) for v in by_cat.values())):
+        out += [v[i] for v in by_cat.values() if i < len(v)]
+    return out[:limit]
+
+
+def load_prompt_file(path: str, limit: int | None = None) -> list[BenchPrompt]:
+    """The user's own prompts: a .jsonl file whose records hold "prompt", "text" or "turns" (the
+    first turn; Spec-Bench/MT-Bench files work as they are) and optionally "category", or a text
+    file with one prompt per line."""
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    out: list[BenchPrompt] = []
+    for n, line in enumerate(lines, 1):
+        if file.suffix == ".jsonl":
+            try:
+                rec = json.loads(line)
+                text = rec.get("prompt") or rec.get("text") or (rec.get("turns") or [None])[0]
+            except (json.JSONDecodeError, AttributeError) as err:
+                raise ValueError(f"{path}:{n}: not a JSON object ({err})") from err
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f'{path}:{n}: no prompt text; give a "prompt", "text" or "turns" field')
+            out.append(BenchPrompt(rec.get("question_id", n), str(rec.get("category", "prompts")), text))
+        else:
+            out.append(BenchPrompt(n, "prompts", line.strip()))
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out[:limit] if limit else out
