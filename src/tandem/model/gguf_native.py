@@ -18,7 +18,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
-from tandem.model.quant import DenseLinear, Int4Linear, quantize_linear
+from tandem.model.quant import BLOCK, BlockQ4Linear, DenseLinear, Int4Linear, quantize_linear
 
 INT4_GROUP = 32
 
@@ -285,22 +285,25 @@ def unpermute_llama_qk(record: GGUFTensor, n_heads: int) -> GGUFTensor:
 
 def to_linear(record: GGUFTensor, activation_dtype: torch.dtype = torch.bfloat16,
               dense_mode: str = "int8", native_int4: bool = True,
-              bias: torch.Tensor | None = None) -> nn.Module:
+              bias: torch.Tensor | None = None, kernels: str = "torch") -> nn.Module:
     """A linear layer computing x @ record^T (+ bias).
 
-    int4 records become Int4Linear (bf16 activations) unless native_int4 is False. Dense records
-    (and int4 ones when native_int4 is False) follow dense_mode: "int8" re-quantises per output
-    channel, "int4" re-quantises in groups of 32, "none" keeps a DenseLinear in
-    activation_dtype (e.g. fp32 for a reference run).
+    int4 records keep their own blocks (unless native_int4 is False): BlockQ4Linear on tandem's
+    block kernels, Int4Linear (bf16 activations) on torch's. Dense records (and int4 ones when
+    native_int4 is False) follow dense_mode: "int8" re-quantises (blocks of 32 on the block
+    kernels, which recovers Q8_0's own codes; per output channel on torch's), "int4" re-quantises
+    in groups of 32, "none" keeps a DenseLinear in activation_dtype (e.g. fp32 for a reference run).
     """
     if len(record.shape) != 2:
         raise ValueError(f"{record.name} has shape {record.shape}, not a matrix")
     if record.kind == "int4_affine" and native_int4:
+        if kernels == "block" and record.shape[1] % BLOCK == 0:
+            return BlockQ4Linear.from_affine_groups(record.q, record.scale, record.offset, bias)
         return Int4Linear.from_affine_groups(record.q, record.scale, record.offset, bias)
     weight = record.dequantize()
     if dense_mode == "none":
         return DenseLinear(weight, bias, dtype=activation_dtype)
-    return quantize_linear(weight, bias, dense_mode)
+    return quantize_linear(weight, bias, dense_mode, kernels=kernels)
 
 
 # --- fast tensor index -------------------------------------------------------------------------

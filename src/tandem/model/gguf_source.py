@@ -37,13 +37,15 @@ _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_hea
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 # Dense tensors used as linears (Q8_0/Q6_K LM heads and embeddings, Q5_K/Q6_K layers) are
-# re-quantised per output channel to int8: measured fastest for the LM-head shapes at 1-8 rows.
+# re-quantised to int8: blocks of 32 on tandem's kernels, per output channel on torch's
+# (measured fastest of torch's choices for the LM-head shapes at 1-8 rows).
 DENSE_LINEAR_MODE = "int8"
 
 
 class GGUFSource:
-    def __init__(self, path, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, path, cfg: ModelConfig, dtype: torch.dtype, kernels: str = "torch") -> None:
         metadata, self.records = read_gguf(path)
+        self.kernels = kernels
         self.arch = str(metadata.get("general.architecture", ""))
         self.cfg = cfg
         self.dtype = dtype
@@ -87,4 +89,4 @@ class GGUFSource:
     def linear(self, names: list[str], bias: bool) -> nn.Module:
         record = concat_records([self._record(n) for n in names]) if len(names) > 1 else self._record(names[0])
         b = torch.cat([self.tensor(n.replace(".weight", ".bias")) for n in names]) if bias else None
-        return to_linear(record, self.dtype, dense_mode=DENSE_LINEAR_MODE, bias=b)
+        return to_linear(record, self.dtype, dense_mode=DENSE_LINEAR_MODE, bias=b, kernels=self.kernels)

@@ -162,10 +162,12 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
 class StateDictSource:
     """WeightSource over float tensors with HF names; linears built dense, int8 or int4."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], linear_mode: str, dtype: torch.dtype) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], linear_mode: str, dtype: torch.dtype,
+                 kernels: str = "torch") -> None:
         self.tensors = tensors
         self.linear_mode = linear_mode
         self.dtype = dtype
+        self.kernels = kernels
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -182,7 +184,7 @@ class StateDictSource:
         b = torch.cat([self.tensor(n.replace(".weight", ".bias")) for n in names]) if bias else None
         if self.linear_mode == "none":
             return DenseLinear(weight.to(self.dtype), None if b is None else b.to(self.dtype))
-        return quantize_linear(weight, b, self.linear_mode)
+        return quantize_linear(weight, b, self.linear_mode, kernels=self.kernels)
 
 
 def load_safetensors_dir(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -219,12 +221,27 @@ def resolve_quantization(quantization: str, src: ModelSource, device: str) -> st
     return quantization
 
 
+def resolve_kernels(quantization: str, device: str = "cpu") -> str:
+    """'block' (tandem's AVX2 kernels, fp32 activations) for quantized weights on a CPU that can
+    build and run them, else 'torch' (torch's int4/int8 kernels with bf16 activations)."""
+    if quantization == "none" or device != "cpu":
+        return "torch"
+    from tandem.model.kernels import block_kernels
+
+    return "block" if block_kernels() is not None else "torch"
+
+
 def resolve_dtype(dtype: str, quantization: str, device: str = "cpu") -> torch.dtype:
-    """'auto': bf16 activations for weight-only quantized layers (their kernels take bf16) and on
-    CUDA; fp32 for dense weights on CPU (this CPU has no native bf16: dense bf16 makes a
-    multi-token verification forward several times a one-token one; see README)."""
+    """'auto': fp32 on CPU (dense weights: this CPU has no native bf16, and dense bf16 makes a
+    multi-token verification several times a one-token one; quantized weights: tandem's block
+    kernels take fp32), except bf16 where torch's int4/int8 kernels serve the quantized weights
+    (they compute in bf16) and on CUDA."""
     if dtype == "auto":
-        return torch.bfloat16 if quantization != "none" or device == "cuda" else torch.float32
+        if device == "cuda":
+            return torch.bfloat16
+        if quantization == "none" or resolve_kernels(quantization, device) == "block":
+            return torch.float32
+        return torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
@@ -243,14 +260,16 @@ def load_model(
     cfg = model_config_from_hf(hf_cfg)
     quant = resolve_quantization(quantization, src, device)
     torch_dtype = resolve_dtype(dtype, quant, device)
+    # tandem's block kernels take fp32 activations; bf16 activations stay on torch's kernels.
+    kernels = resolve_kernels(quant, device) if torch_dtype == torch.float32 else "torch"
     if quant == "native":
         from tandem.model.gguf_source import GGUFSource
 
-        weights = GGUFSource(src.gguf_path, cfg, torch_dtype)
+        weights = GGUFSource(src.gguf_path, cfg, torch_dtype, kernels)
     else:
         if src.gguf_path is not None:
             _ensure_gguf_float_weights(src)
-        weights = StateDictSource(load_safetensors_dir(src.hf_dir), quant, torch_dtype)
+        weights = StateDictSource(load_safetensors_dir(src.hf_dir), quant, torch_dtype, kernels)
     model = build_model(cfg, weights, torch_dtype, desc=f"loading {src.name}")
     tokenizer = AutoTokenizer.from_pretrained(str(src.hf_dir))
     return LoadedModel(model.to(device), tokenizer, cfg, src.name, torch_dtype, quant)

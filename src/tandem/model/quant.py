@@ -260,15 +260,154 @@ class DenseLinear(nn.Module):
                 f"dtype={self.weight.dtype}, bias={self.bias is not None}")
 
 
+BLOCK = 32
+
+
+def _block_kernels():
+    from tandem.model.kernels import block_kernels
+
+    return block_kernels()
+
+
+def _block_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
+    """[..., in] -> [..., out] float32 through tandem's block kernel (CPU) or, elsewhere or
+    without the compiled kernel, the dequantised weight with F.linear."""
+    lead = x.shape[:-1]
+    if x.shape[-1] != layer.in_features:
+        raise ValueError(f"expected last dim {layer.in_features}, got input of shape {tuple(x.shape)}")
+    x2 = x.reshape(-1, layer.in_features).float().contiguous()
+    kernels = _block_kernels() if x2.device.type == "cpu" else None
+    if kernels is not None:
+        y = matmul(kernels, x2)
+    else:
+        if x2.device.type != "cpu":
+            _warn_fallback_once(type(layer).__name__, x2.device)
+        y = F.linear(x2, layer.dequantize(torch.float32))
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.reshape(*lead, layer.out_features)
+
+
+class BlockQ4Linear(nn.Module):
+    """y = x W^T + b with W in 4-bit blocks of 32 inputs: w = d * q + m, q in 0..15 (GGUF Q4_1).
+
+    Runs on tandem's AVX2 kernel (model/kernels), which quantizes each activation row to int8
+    blocks of 32 and multiplies in integers, as llama.cpp does. Buffers: qs uint8 [out, in/2]
+    (byte j of a block holds q_j low and q_{j+16} high), d and m float32 [out, in/32]. Takes any
+    float input, returns float32.
+    """
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        out_features, half = qs.shape
+        if qs.dtype != torch.uint8 or d.shape != (out_features, 2 * half // BLOCK) or m.shape != d.shape:
+            raise ValueError(f"q4 blocks {tuple(qs.shape)} {qs.dtype} do not match scales {tuple(d.shape)}/{tuple(m.shape)}")
+        self.in_features, self.out_features = 2 * half, out_features
+        self.register_buffer("qs", qs.contiguous())
+        self.register_buffer("d", d.float().contiguous())
+        self.register_buffer("m", m.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    @classmethod
+    def from_affine_groups(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> BlockQ4Linear:
+        """w = q * scale + offset with q uint8 [out, in] in 0..15 and scale/offset per group of
+        inputs (a group of 32 or a multiple of 32, which is split into blocks)."""
+        out_features, in_features = q.shape
+        if in_features % BLOCK or in_features % scale.shape[1] or (in_features // scale.shape[1]) % BLOCK:
+            raise ValueError(f"in_features {in_features} with {scale.shape[1]} groups does not split into blocks of {BLOCK}")
+        repeat = in_features // scale.shape[1] // BLOCK
+        blocks = q.reshape(out_features, -1, BLOCK).to(torch.uint8)
+        qs = (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(out_features, in_features // 2)
+        return cls(qs, scale.float().repeat_interleave(repeat, 1), offset.float().repeat_interleave(repeat, 1), bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockQ4Linear:
+        """Round-to-nearest min/max affine quantisation of each block of 32 inputs."""
+        out_features, in_features = weight.shape
+        if in_features % BLOCK:
+            raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
+        g = weight.detach().float().reshape(out_features, -1, BLOCK)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))
+        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15)
+        return cls.from_affine_groups(q.reshape(out_features, in_features).to(torch.uint8), scale, lo, bias)
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes as uint8 [out, in]."""
+        b = self.qs.reshape(self.out_features, -1, BLOCK // 2)
+        return torch.cat([b & 0xF, b >> 4], dim=-1).reshape(self.out_features, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = self.codes().float().reshape(self.out_features, -1, BLOCK)
+        return (q * self.d[..., None] + self.m[..., None]).reshape(self.out_features, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _block_forward(self, x, lambda k, x2: k.q4_matmul(x2, self.qs, self.d, self.m))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class BlockQ8Linear(nn.Module):
+    """y = x W^T + b with W in 8-bit blocks of 32 inputs: w = d * q, q in -127..127 (GGUF Q8_0).
+
+    Runs on tandem's AVX2 kernel like BlockQ4Linear. Buffers: qs int8 [out, in], d float32
+    [out, in/32]. Takes any float input, returns float32.
+    """
+
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        out_features, in_features = qs.shape
+        if qs.dtype != torch.int8 or in_features % BLOCK or d.shape != (out_features, in_features // BLOCK):
+            raise ValueError(f"q8 blocks {tuple(qs.shape)} {qs.dtype} do not match scales {tuple(d.shape)}")
+        self.in_features, self.out_features = in_features, out_features
+        # -128 has no positive twin: the kernel's sign trick needs codes in -127..127.
+        self.register_buffer("qs", qs.clamp(-127, 127).contiguous())
+        self.register_buffer("d", d.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockQ8Linear:
+        """Symmetric round-to-nearest quantisation of each block of 32 inputs (scale = max|w| / 127)."""
+        out_features, in_features = weight.shape
+        if in_features % BLOCK:
+            raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
+        g = weight.detach().float().reshape(out_features, -1, BLOCK)
+        amax = g.abs().amax(dim=-1)
+        d = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        q = torch.round(g / d[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q.reshape(out_features, in_features), d, bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = self.qs.float().reshape(self.out_features, -1, BLOCK)
+        return (q * self.d[..., None]).reshape(self.out_features, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _block_forward(self, x, lambda k, x2: k.q8_matmul(x2, self.qs, self.d))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+KERNELS = ("torch", "block")
+
+
 QUANT_MODES = ("none", "int8", "int4")
 
 
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
-                    group_size: int = 32) -> nn.Module:
-    """A linear layer for `weight` [out, in]: "none" keeps its dtype, "int8" is per-channel,
-    "int4" is min/max affine with `group_size` inputs per group."""
+                    group_size: int = 32, kernels: str = "torch") -> nn.Module:
+    """A linear layer for `weight` [out, in]: "none" keeps its dtype; with torch's kernels "int8"
+    is per-channel and "int4" min/max affine with `group_size` inputs per group; with tandem's
+    block kernels both quantize blocks of 32 inputs (layers whose inputs do not split into blocks
+    keep torch's kernels)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     if mode == "none":
         return DenseLinear(weight, bias)
+    if kernels == "block" and weight.shape[1] % BLOCK == 0 and mode in ("int8", "int4"):
+        return (BlockQ8Linear if mode == "int8" else BlockQ4Linear).quantize(weight, bias)
     if mode == "int8":
         return Int8Linear.quantize(weight, bias)
     if mode == "int4":

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.model.kv_cache import KVCache
+from tandem.model.fused import FUSED_MAX_TOKENS, FusedDecoder
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
 
 
@@ -71,6 +72,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.k.device
         model.build_rope_tables(cache.max_len + 1)
+        self.fused = FusedDecoder.for_model(model) if self.device.type == "cpu" else None
         self.windows = sorted(set(model.cfg.layer_windows), key=lambda w: -1 if w is None else w)
 
     @torch.inference_mode()
@@ -94,6 +96,10 @@ class ModelRunner:
         model, cache = self.model, self.cache
         B = len(inputs)
         T = max(len(i.token_ids) for i in inputs)
+        if self.fused is not None and all(
+            i.parents is None and i.positions is None and len(i.token_ids) <= FUSED_MAX_TOKENS for i in inputs
+        ):
+            return self._forward_fused(inputs, hidden_layers)
         starts = [cache.reserve(i.seq, len(i.token_ids)) for i in inputs]
         try:
             plan, tokens, positions = self._plan(inputs, starts, T, token_by_token)
@@ -118,6 +124,32 @@ class ModelRunner:
             normed = model.norm(x)
             hidden[L] = [normed[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
         selected = flat[rows[0] : rows[0] + 1] if len(rows) == 1 else flat[torch.tensor(rows, device=self.device)]
+        return ForwardOutput(model.logits(selected), offsets, hidden)
+
+    def _forward_fused(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
+        """Chains through the fused kernels: flat rows, one attention per token (see fused.py)."""
+        cache, model = self.cache, self.model
+        tokens, seqs, slots, rows, offsets, bounds = [], [], [], [], [0], [0]
+        for inp in inputs:
+            n = len(inp.token_ids)
+            start = cache.reserve(inp.seq, n)
+            cache.slot_positions[inp.seq, start : start + n] = torch.arange(start, start + n)
+            base = len(tokens)
+            tokens.extend(inp.token_ids)
+            seqs.extend([inp.seq] * n)
+            slots.extend(range(start, start + n))
+            idx = inp.logit_indices()
+            rows.extend(base + t for t in idx)
+            offsets.append(offsets[-1] + len(idx))
+            bounds.append(base + n)
+        x, by_layer = self.fused.forward(
+            torch.tensor(tokens), torch.tensor(seqs), torch.tensor(slots), cache, hidden_layers
+        )
+        L = model.cfg.num_layers
+        if L in hidden_layers:
+            by_layer[L] = model.norm(x)
+        hidden = {li: [h[bounds[b] : bounds[b + 1]] for b in range(len(inputs))] for li, h in by_layer.items()}
+        selected = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows)]
         return ForwardOutput(model.logits(selected), offsets, hidden)
 
     def _plan(self, inputs: list[SeqInput], starts: list[int], T: int, token_by_token: bool):

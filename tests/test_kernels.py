@@ -1,0 +1,167 @@
+"""tandem's block kernels (model/kernels) and the fused decode path (model/fused.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import build_tiny
+from tandem.model.arch import model_config_from_hf
+from tandem.model.fused import fused_eligible
+from tandem.model.kernels import GEGLU, RMS_NORM, SWIGLU, block_kernels
+from tandem.model.kv_cache import KVCache
+from tandem.model.loader import StateDictSource
+from tandem.model.quant import BlockQ4Linear, BlockQ8Linear
+from tandem.model.runner import ModelRunner, SeqInput
+from tandem.model.transformer import TransformerLM
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(block_kernels() is None, reason="needs an AVX2 CPU and g++"),
+]
+
+
+def block_quantized(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels multiply by: each row's blocks of 32 rounded to int8 at max|x| / 127."""
+    g = x.reshape(x.shape[0], -1, 32)
+    s = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(s > 0, s, 1)) * s).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", [BlockQ4Linear, BlockQ8Linear])
+def test_block_linear_equals_its_dequantised_matmul(kind):
+    torch.manual_seed(0)
+    w, b = torch.randn(80, 96), torch.randn(80)
+    layer = kind.quantize(w, b)
+    x = torch.randn(5, 96)
+    ref = F.linear(block_quantized(x), layer.dequantize(), b)
+    torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-4)
+    # the weight quantisation itself: within half a step of each block's scale
+    assert (layer.dequantize() - w).abs().max() < (w.abs().max() / (7 if kind is BlockQ4Linear else 127))
+
+
+@pytest.mark.parametrize("kind", [BlockQ4Linear, BlockQ8Linear])
+def test_block_linear_rows_are_independent_bitwise(kind):
+    torch.manual_seed(1)
+    layer = kind.quantize(torch.randn(100, 64))
+    x = torch.randn(11, 64)
+    full = layer(x)
+    for i in (0, 4, 10):
+        assert torch.equal(full[i : i + 1], layer(x[i : i + 1]))
+    torch.set_num_threads(2)
+    assert torch.equal(layer(x), full)  # thread count does not change any element
+
+
+def test_q4_blocks_keep_gguf_affine_groups_exactly():
+    torch.manual_seed(2)
+    q = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
+    scale, offset = torch.rand(16, 2), torch.randn(16, 2)
+    layer = BlockQ4Linear.from_affine_groups(q, scale, offset)
+    expected = q.float().reshape(16, 2, 32) * scale[..., None] + offset[..., None]
+    assert torch.equal(layer.codes(), q)
+    assert torch.equal(layer.dequantize(), expected.reshape(16, 64))
+    # a group of 64 splits into two blocks with the same scale and offset
+    wide = BlockQ4Linear.from_affine_groups(q, scale[:, :1], offset[:, :1])
+    assert torch.equal(wide.dequantize(), (q.float() * scale[:, :1] + offset[:, :1]))
+
+
+def test_fused_input_transforms_and_residual():
+    torch.manual_seed(3)
+    k = block_kernels()
+    layer = BlockQ8Linear.quantize(torch.randn(48, 64))
+    m = None
+    x = torch.randn(3, 64)
+    w = torch.rand(64) + 0.5
+    normed = F.rms_norm(x, (64,), w, 1e-6)
+    got = k.linear(x, layer.qs, layer.d, m, transform=RMS_NORM, norm_weight=w, eps=1e-6)
+    torch.testing.assert_close(got, layer(normed), atol=2e-2, rtol=1e-2)
+    gate_up = torch.randn(3, 128)
+    for transform, act in ((SWIGLU, F.silu), (GEGLU, lambda g: F.gelu(g, approximate="tanh"))):
+        got = k.linear(gate_up, layer.qs, layer.d, m, transform=transform)
+        torch.testing.assert_close(got, layer(act(gate_up[:, :64]) * gate_up[:, 64:]), atol=2e-2, rtol=1e-2)
+    residual = torch.randn(3, 48)
+    expected = layer(x) + residual
+    k.linear(x, layer.qs, layer.d, m, residual=residual, out=residual)  # in place
+    torch.testing.assert_close(residual, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="width"):
+        k.linear(torch.randn(3, 64), layer.qs, layer.d, m, transform=SWIGLU)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attend_matches_reference_attention(window):
+    torch.manual_seed(4)
+    k = block_kernels()
+    Hq, Hkv, D, M, T, start = 4, 2, 16, 12, 3, 5
+    kc, vc = torch.zeros(2, Hkv, M, D), torch.zeros(2, Hkv, M, D)
+    kc[1, :, :start], vc[1, :, :start] = torch.randn(Hkv, start, D), torch.randn(Hkv, start, D)
+    pos = torch.arange(M + 1, dtype=torch.float32)[:, None] * (1.0 / 100 ** (torch.arange(D // 2) / (D // 2)))
+    emb = torch.cat([pos, pos], -1)
+    cos, sin = emb.cos(), torch.cat([-emb.sin()[:, : D // 2], emb.sin()[:, D // 2 :]], -1)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D)
+    slots = torch.arange(start, start + T)
+    out = k.attend(qkv, torch.ones(T, dtype=torch.long), slots, cos, sin, kc, vc, Hq, Hkv, window, 0.25)
+
+    def rope(x, p):
+        return x * cos[p] + torch.roll(x, D // 2, -1) * sin[p]
+
+    for t in range(T):
+        p = start + t
+        q = qkv[t, : Hq * D].view(Hq, D)
+        k_new = qkv[t, Hq * D : (Hq + Hkv) * D].view(Hkv, D)
+        torch.testing.assert_close(kc[1, :, p], rope(k_new, p))
+        torch.testing.assert_close(vc[1, :, p], qkv[t, (Hq + Hkv) * D :].view(Hkv, D))
+        lo = 0 if window is None else max(0, p - window + 1)
+        keys, values = kc[1, :, lo : p + 1], vc[1, :, lo : p + 1]
+        ref = F.scaled_dot_product_attention(rope(q, p)[None, :, None], keys[None], values[None], scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(out[t].view(Hq, D), ref[0, :, 0], atol=1e-5, rtol=1e-5)
+
+
+def block_model(arch: str, mode: str = "int4") -> tuple:
+    hf, _ = build_tiny(arch)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    cfg = model_config_from_hf(hf.config.to_dict())
+    model = TransformerLM(cfg, StateDictSource(state, mode, torch.float32, kernels="block"), torch.float32)
+    return hf, model
+
+
+def runner_for(model, max_seqs=4, max_len=64):
+    return ModelRunner(model, KVCache(model.cfg, max_seqs, max_len, model.dtype))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fused_path_matches_general_path(arch):
+    _, model = block_model(arch)
+    assert fused_eligible(model)
+    prompt = list(range(10, 30))
+    fused, general = runner_for(model), runner_for(model)
+    assert fused.fused is not None
+    general.fused = None
+    a, b = fused.cache.allocate(), general.cache.allocate()
+    out_f = fused.forward([SeqInput(a, prompt, logits="all")], hidden_layers=(0, 2))
+    out_g = general.forward([SeqInput(b, prompt, logits="all")], hidden_layers=(0, 2))
+    # the same kernels for the linears; norms, RoPE and attention differ only in rounding
+    torch.testing.assert_close(out_f.logits, out_g.logits, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(out_f.hidden[2][0], out_g.hidden[2][0], atol=0.05, rtol=0.02)
+    assert (out_f.logits.argmax(-1) == out_g.logits.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fused_verification_is_bitwise_plain_decoding(arch):
+    """A verification forward over several tokens, batched with another sequence, reproduces
+    one-token decoding bit for bit through the fused kernels (sliding windows included)."""
+    _, model = block_model(arch)
+    prompt, new = list(range(10, 19)), [40, 41, 42, 43, 44, 45, 46]
+    plain = runner_for(model)
+    seq = plain.cache.allocate()
+    plain.forward([SeqInput(seq, prompt)])
+    ref = torch.cat([plain.forward([SeqInput(seq, [t])]).logits for t in new])
+    spec = runner_for(model)
+    s1, s2 = spec.cache.allocate(), spec.cache.allocate()
+    spec.forward([SeqInput(s1, prompt), SeqInput(s2, [7, 8, 9])])
+    out = spec.forward([SeqInput(s1, new, logits="all"), SeqInput(s2, [50, 51])], token_by_token=True)
+    assert torch.equal(out.rows(0), ref)
+
+
+def test_models_with_qk_norm_or_sandwich_norms_stay_on_the_general_path():
+    for arch in ("qwen3", "gemma3"):
+        _, model = block_model(arch)
+        assert not fused_eligible(model)
