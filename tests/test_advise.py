@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tandem.advise import analyse_drafter, setup_warnings
+from tandem.advise import analyse_drafter, drafter_warnings, monotone, setup_warnings
 from tandem.bench.prompts import load_prompt_file, spread_prompts
 from tandem.scheduler.cost_model import CostCurve, best_k, expected_tau
 from test_bench_spec import save_tiny_family
@@ -30,22 +30,35 @@ def test_analysis_follows_the_cost_model():
     tau4 = 1 + 0.9 + 0.72 + 0.504 + 0.3024
     assert a.predicted_at_k_measured == pytest.approx(tau4 * GENTLE(1) / (GENTLE(5) + 4 * 0.0005))
     assert a.break_even_batch is not None and a.break_even_batch > 1
-    assert a.warnings == []
+    assert drafter_warnings(a, GENTLE) == []
 
 
 def test_low_acceptance_warns_to_swap_the_drafter():
     a = analyse_drafter("poor", [0.3, 0.2, 0.1, 0.1], GENTLE, 4, 0.0005, 0.8, 1.3, k_max=4)
-    kinds = {w.kind for w in a.warnings}
-    assert "low_tau" in kinds
-    msg = next(w.message for w in a.warnings if w.kind == "low_tau")
+    warnings = drafter_warnings(a, GENTLE)
+    assert "low_tau" in {w.kind for w in warnings}
+    msg = next(w.message for w in warnings if w.kind == "low_tau")
     assert "swap the drafter" in msg and "k = 4" in msg
 
 
 def test_a_costly_drafter_is_told_it_does_not_pay():
     """Full acceptance, but drafting each token costs as much as a forward: never worth it."""
     a = analyse_drafter("slow", [1.0] * 4, GENTLE, 4, GENTLE(1), 0.7, 5.0, k_max=4)
-    assert a.best_k == 0 and [w.kind for w in a.warnings] == ["no_gain"]
+    assert a.best_k == 0 and [w.kind for w in drafter_warnings(a, GENTLE)] == ["no_gain"]
     assert a.break_even_batch == 1
+
+
+def test_measurements_far_from_the_prediction_are_flagged():
+    a = analyse_drafter("good", [0.9, 0.8, 0.7, 0.6], GENTLE, 4, 0.0005, 1.9, 3.1, k_max=4)
+    a.measured_best = a.predicted_best * 0.5
+    warnings = drafter_warnings(a, GENTLE)
+    assert [w.kind for w in warnings] == ["noisy"] and f"k = {a.best_k}" in warnings[0].message
+
+
+def test_monotone_cost_curve():
+    noisy = CostCurve.from_points({1: 0.010, 2: 0.008, 4: 0.012, 8: 0.011, 16: 0.02})
+    assert monotone(noisy).seconds == (0.010, 0.010, 0.012, 0.012, 0.02)
+    assert monotone(GENTLE) == GENTLE
 
 
 def fake_target(quantization="native", dtype=torch.bfloat16):
@@ -107,7 +120,8 @@ def test_advise_warns_for_a_poor_drafter_and_stays_quiet_for_a_good_one(advice):
     assert poor["expected_tau"]["4"] < 1.2
     about = lambda label: {w["kind"] for w in advice["warnings"] if w["subject"] == label}  # noqa: E731
     assert about("draft_model(other)") >= {"low_tau"}, advice["warnings"]
-    assert about("draft_model(early)") == set(), advice["warnings"]
+    # "noisy" is about the machine (timing on a shared CPU), not the drafter.
+    assert about("draft_model(early)") - {"noisy"} == set(), advice["warnings"]
     assert good["best_k"] >= 1 and good["predicted_best"] > 1.0
     assert good["measured_best"] > 0 and good["measured_at_k_measured"] > 0
     assert advice["recommendation"].startswith("--speculative-algorithm draft_model --speculative-num-draft-tokens")

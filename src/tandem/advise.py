@@ -25,6 +25,7 @@ LOW_TAU = 2.0  # the seed's rule: a drafter that cannot reach tau 2 needs replac
 SLOW_BASE_FRACTION = 0.5  # a step slower than twice the bandwidth limit is overhead-bound
 EXPENSIVE_VERIFY = 2.0  # verifying 4 drafts should cost well under 2x one forward
 REFERENCE_K = 4
+NOISY = 0.3  # measured speedup more than 30% off the prediction
 
 
 @dataclass
@@ -55,6 +56,16 @@ class DrafterAdvice:
     warnings: list[Advice] = field(default_factory=list)
 
 
+def monotone(curve: CostCurve) -> CostCurve:
+    """The running maximum of a measured curve: a forward over more tokens never costs less than
+    one over fewer, so a dip is timing noise and would make long drafts look free."""
+    seconds, top = [], 0.0
+    for s in curve.seconds:
+        top = max(top, s)
+        seconds.append(top)
+    return CostCurve(curve.sizes, tuple(seconds))
+
+
 def draft_cost_model(seconds_per_position: float):
     """Drafting k tokens for each of `batch` requests, linear in both (measured per position)."""
     return lambda k, batch: batch * k * seconds_per_position
@@ -74,7 +85,6 @@ def analyse_drafter(label: str, acceptance: list[float], curve: CostCurve, k_mea
         measured_at_k_measured=measured_speedup, measured_tau=measured_tau,
         break_even_batch=break_even_batch(acceptance, curve, k_max, MAX_BATCH, cost),
     )
-    advice.warnings = drafter_warnings(advice, curve)
     return advice
 
 
@@ -88,6 +98,14 @@ def drafter_warnings(a: DrafterAdvice, curve: CostCurve) -> list[Advice]:
             f"{a.label}: expected tau is {tau_max:.2f} even at k = {k_max} ({half:.2f} at k = {max(1, k_max // 2)}); "
             f"under {LOW_TAU:.0f}, more draft tokens barely move it: swap the drafter (a trained head or a "
             "same-tokenizer draft model fitted to this target) instead of raising k")))
+    off = [(k, p, m) for k, p, m in ((a.k_measured, a.predicted_at_k_measured, a.measured_at_k_measured),
+                                     (a.best_k, a.predicted_best, a.measured_best)) if k and m]
+    if any(abs(m / p - 1) > NOISY for _, p, m in off):
+        k, p, m = max(off, key=lambda x: abs(x[2] / x[1] - 1))
+        out.append(Advice("noisy", a.label, (
+            f"{a.label}: at k = {k} the measured speedup {m:.2f}x is far from the predicted {p:.2f}x: the "
+            "machine was busy or the sample is small; rerun on a quiet machine, or with more --limit prompts, "
+            "before trusting these numbers")))
     if a.best_k == 0:
         step = curve(1) * 1000
         drafting = a.draft_seconds_per_position * 1000
@@ -152,7 +170,7 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
         raise ValueError(f"--k-max must be >= 1, got {k_max}")
     bandwidth = measure_bandwidth()
     weight_bytes = model_weight_bytes(loaded.model)
-    curve = CostCurve.from_points(tandem_cost_curve(loaded, sizes=curve_sizes))
+    curve = monotone(CostCurve.from_points(tandem_cost_curve(loaded, sizes=curve_sizes)))
     common = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, progress=progress)
 
     def measure(ms: list[Method]) -> dict:
@@ -181,6 +199,8 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
         else:
             a.measured_best = rows[Method(m.algorithm, m.draft_path, a.best_k).label]["speedup"]
 
+    for a in advice:
+        a.warnings = drafter_warnings(a, curve)
     threads = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     warnings = setup_warnings(loaded, curve, bandwidth, weight_bytes, threads, cores)
