@@ -144,10 +144,11 @@ def test_fused_path_matches_general_path(arch):
     assert (out_f.logits.argmax(-1) == out_g.logits.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_fused_verification_is_bitwise_plain_decoding(arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3"])
+def test_block_verification_is_bitwise_plain_decoding(arch):
     """A verification forward over several tokens, batched with another sequence, reproduces
-    one-token decoding bit for bit through the fused kernels (sliding windows included)."""
+    one-token decoding bit for bit on the block kernels: through the fused path (llama, qwen2,
+    mistral with its sliding window) and the general one (qwen3, gemma3)."""
     _, model = block_model(arch)
     prompt, new = list(range(10, 19)), [40, 41, 42, 43, 44, 45, 46]
     plain = runner_for(model)
