@@ -102,7 +102,10 @@ def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_
         tokens += len(out.token_ids)
         token_ids.append(out.token_ids)
     curve = tandem_cost_curve(llm.loaded)
-    label = f"tandem {llm.loaded.quantization}/{str(llm.loaded.dtype).replace('torch.', '')}"
+    loaded = llm.loaded
+    label = f"tandem {loaded.quantization}/{str(loaded.dtype).replace('torch.', '')}"
+    if loaded.quantization != "none":
+        label += f" ({loaded.kernels} kernels)"
     return BaseResult(label, tokens / seconds, model_weight_bytes(llm.loaded.model), cost_curve=curve,
                       step_ms=curve[1] * 1000, token_ids=token_ids)
 

@@ -207,6 +207,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     quantization: str
+    kernels: str = "torch"  # "block": tandem's AVX2 kernels; "torch": torch's own
 
 
 def resolve_quantization(quantization: str, src: ModelSource, device: str) -> str:
@@ -272,7 +273,7 @@ def load_model(
         weights = StateDictSource(load_safetensors_dir(src.hf_dir), quant, torch_dtype, kernels)
     model = build_model(cfg, weights, torch_dtype, desc=f"loading {src.name}")
     tokenizer = AutoTokenizer.from_pretrained(str(src.hf_dir))
-    return LoadedModel(model.to(device), tokenizer, cfg, src.name, torch_dtype, quant)
+    return LoadedModel(model.to(device), tokenizer, cfg, src.name, torch_dtype, quant, kernels)
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, desc: str = "building model") -> TransformerLM:
