@@ -117,6 +117,27 @@ def test_expensive_drafter_turns_speculation_off():
     assert p.draft_lengths([DraftSlot("r", 6)]) == [0]
 
 
+def test_measured_rounds_override_a_wrong_profile():
+    p = adaptive(CHEAP, k=6)
+    teach(p, "r", (6, 6))
+    assert p.draft_lengths([DraftSlot("r", 6)]) == [6]
+    for _ in range(5):  # the rounds this process really runs cost what a linear curve says
+        p.observe_round(1, 0.010)
+        p.observe_round(7, 0.070)
+    assert p.curve(7) == pytest.approx(0.070) and p.curve(1) == pytest.approx(0.010)
+    assert p.curve(4) > 3 * CHEAP(4)  # unmeasured sizes: the profile scaled by the measured ratios
+    assert p.draft_lengths([DraftSlot("r", 6)]) == [0]
+
+
+def test_uniform_slowdown_keeps_the_decisions():
+    p, q = adaptive(CPU, k=6, prior=0.7), adaptive(CPU, k=6, prior=0.7)
+    for _ in range(5):
+        q.observe_round(1, 2 * CPU(1))  # another tenant made everything twice as slow
+    assert q.curve(16) == pytest.approx(2 * CPU(16))
+    for batch in (1, 2, 4, 8):
+        assert p.draft_lengths(slots(batch)) == q.draft_lengths(slots(batch))
+
+
 def test_fixed_policy_and_num_steps():
     spec = SpecConfig(algorithm="suffix", num_draft_tokens=4, num_steps=3)
     assert spec.max_draft_len == 3

@@ -103,7 +103,7 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
     gc.freeze()
     name = server_config.served_model_name or engine_config.model
     async_engine = AsyncEngine(engine, server_config.max_queued_requests, ServerMetrics(name))
-    return build_app(async_engine, name, server_config.drain_timeout_s)
+    return build_app(async_engine, name)
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:

@@ -50,6 +50,10 @@ def add_bench_parser(sub) -> None:
     spec.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
     spec.set_defaults(func=_run_spec)
 
+    from tandem.bench.serve import add_serve_bench_parser
+
+    add_serve_bench_parser(kinds)
+
 
 def _run_base(args: argparse.Namespace) -> int:
     from tandem.bench.base import bench_base

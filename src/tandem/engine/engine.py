@@ -140,6 +140,7 @@ class Engine:
         if not batch:
             return []
         drafts = self._propose(batch)
+        verify_start = time.perf_counter()
         inputs = [
             SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all") for r, d in zip(batch, drafts)
         ]
@@ -162,6 +163,9 @@ class Engine:
                 self.policy.observe(req.request_id, len(draft), accepted)
             outcomes.append(DraftOutcome(req.request_id, len(draft), accepted, update.new_token_ids))
         if self.drafter is not None:
+            # The runner pads every sequence to the longest: the forward covers B * T tokens.
+            padded = len(batch) * max(len(i.token_ids) for i in inputs)
+            self.policy.observe_round(padded, time.perf_counter() - verify_start)
             self.drafter.observe(outcomes)
         return updates
 

@@ -7,6 +7,7 @@ and each request's acceptance in *earlier* rounds, never from the draft being de
 
 from __future__ import annotations
 
+import bisect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -29,6 +30,10 @@ RELAX = 0.03
 # Draft only when the predicted throughput beats plain decoding by this margin: the cost curve is
 # measured on a shared CPU, and being a little too cautious costs less than being slower.
 MIN_GAIN = 0.03
+# Rounds of one size before its measured time replaces the (scaled) profile, and the weight of
+# the newest round in that size's moving average.
+MIN_MEASURED = 5
+MEASURED_EMA = 0.1
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,53 @@ class Decision:
     predicted_speedup: float
 
 
+class LiveCurve:
+    """The profiled cost curve corrected by what rounds really cost in this process.
+
+    A size measured MIN_MEASURED times uses its moving average. Any other size uses the profile
+    times the measured/profiled ratio, interpolated linearly between the nearest measured sizes
+    (constant beyond them): a machine that got uniformly slower keeps the profile's shape, and a
+    shape the profile got wrong is corrected around the sizes the server actually runs.
+    Worked example: profile 10 ms flat, measured 10 ms at n=1 and 70 ms at n=7 (ratios 1 and 7)
+    -> n=4 costs 10 ms * 4 = 40 ms.
+    """
+
+    def __init__(self, profile: CostCurve) -> None:
+        self.profile = profile
+        self.average: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+        self._trusted: list[int] = []  # sorted sizes with >= MIN_MEASURED rounds
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        n = self.count.get(tokens, 0)
+        avg = self.average.get(tokens, seconds)
+        # Plain mean while few rounds are in, then a moving average that follows drift.
+        weight = max(MEASURED_EMA, 1.0 / (n + 1))
+        self.average[tokens] = avg + weight * (seconds - avg)
+        self.count[tokens] = n + 1
+        if n + 1 == MIN_MEASURED:
+            bisect.insort(self._trusted, tokens)
+
+    def _ratio(self, tokens: int) -> float:
+        t = self._trusted
+        if not t:
+            return 1.0
+        i = bisect.bisect_left(t, tokens)
+        lo, hi = t[max(0, i - 1)], t[min(i, len(t) - 1)]
+        r_lo = self.average[lo] / self.profile(lo)
+        r_hi = self.average[hi] / self.profile(hi)
+        if lo == hi:  # below the smallest or above the largest measured size
+            return r_lo
+        return r_lo + (r_hi - r_lo) * (tokens - lo) / (hi - lo)
+
+    def __call__(self, tokens: int) -> float:
+        if self.count.get(tokens, 0) >= MIN_MEASURED:
+            return self.average[tokens]
+        return self.profile(tokens) * self._ratio(tokens)
+
+
 class SpeculationPolicy(ABC):
     """Chooses draft lengths per round; learns from verification outcomes."""
 
@@ -64,6 +116,9 @@ class SpeculationPolicy(ABC):
 
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
         """The drafter spent `seconds` proposing `tokens` tokens (for the whole batch)."""
+
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        """A verification round over `tokens` (padded) tokens took `seconds`, drafting excluded."""
 
     def release(self, request_id: str) -> None:
         """The request finished: drop what the policy kept about it."""
@@ -89,7 +144,7 @@ class AdaptivePolicy(SpeculationPolicy):
     tau_r(k) = 1 + sum_{j<k} prod_{i<=j} a_r[i] tokens per forward with k drafts. The verification
     forward pads every request to the longest chain, so with a common cap K it covers
     B * (K + 1) tokens and costs curve(B * (K + 1)) (the runner's [B, T] layout), plus the
-    drafter's time. For each K in 0..k_max each request drafts min(K, limit, useful) where
+    drafter's time; `curve` is the profile corrected by measured rounds (LiveCurve). For each K in 0..k_max each request drafts min(K, limit, useful) where
     `useful` drops positions whose expected tokens cost more draft time than they save; the K with
     the best tokens/second wins if it beats plain decoding (K = 0: B tokens per curve(B)) by
     MIN_GAIN. As the batch grows the curve turns linear and K falls to 0: speculation switches
@@ -111,7 +166,7 @@ class AdaptivePolicy(SpeculationPolicy):
             )
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior acceptance must be in [0, 1], got {prior}")
-        self.curve = curve
+        self.curve = LiveCurve(curve)
         self.k_max = spec.max_draft_len
         self.prior = prior
         self.min_gain = min_gain
@@ -165,6 +220,9 @@ class AdaptivePolicy(SpeculationPolicy):
             outcome = 1.0 if i < accepted else 0.0
             est[i] += REQUEST_EMA * (outcome - est[i])
             self.global_acceptance[i] += GLOBAL_EMA * (outcome - self.global_acceptance[i])
+
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        self.curve.observe(tokens, seconds)
 
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
         if tokens > 0:

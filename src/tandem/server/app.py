@@ -66,24 +66,25 @@ def _sse(payload) -> str:
 class ServingContext:
     """What the routes need: the engine, the served name, the context length, the tokenizer."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, drain_timeout_s: float) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.drain_timeout_s = drain_timeout_s
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.max_model_len
         self.vocab_size = engine.engine.loaded.config.vocab_size
 
 
-def build_app(engine: AsyncEngine, model_name: str, drain_timeout_s: float = 30.0) -> FastAPI:
-    ctx = ServingContext(engine, model_name, drain_timeout_s)
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    ctx = ServingContext(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         log.info("serving %s (max_model_len %d)", model_name, ctx.max_model_len)
         yield
-        await engine.stop(drain_timeout_s)
+        # uvicorn has already let in-flight requests run for its drain timeout (SIGTERM) and
+        # cancelled the rest; whatever the engine still holds is aborted now.
+        await engine.stop(timeout_s=0.0)
 
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding",

@@ -1,0 +1,360 @@
+"""`tandem bench serve`: a concurrency sweep against the OpenAI server, speculation adaptive /
+fixed / off side by side, in one run.
+
+Each mode is its own server (launched here, one after another so a startup profile is not
+measured under another's load, or given with --url MODE=URL). At each concurrency the modes run
+in turn on the same prompts, so drift on a shared machine hits them alike. `concurrency` users
+each send streamed, greedy chat requests back to back; the report gives throughput, per-user
+decode speed, TTFT, inter-token latency and acceptance per mode, the ratios to `off`, and whether
+every mode produced the same text (greedy speculation is lossless).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MODES = ("adaptive", "fixed", "off")
+MODE_FLAGS = {
+    "adaptive": ["--speculative-policy", "adaptive"],
+    "fixed": ["--speculative-policy", "fixed"],
+    "off": ["--speculative-algorithm", "none"],
+}
+SPEEDUP_DEFINITION = (
+    "throughput = completion tokens of all requests at a concurrency / wall seconds from the first request "
+    "to the last answer; per-user tok/s = mean over requests of (tokens - 1) / (last token time - first token "
+    "time), the streaming speed a user sees; ITL = its inverse; speedups divide by the 'off' mode at the same "
+    "concurrency; acceptance and tau (tokens per target forward, bonus included) from each response's spec field"
+)
+
+
+@dataclass
+class RequestResult:
+    prompt_index: int
+    ttft: float
+    e2e: float
+    completion_tokens: int
+    text: str
+    spec: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    concurrency: int
+    num_requests: int
+    wall_seconds: float
+    throughput: float
+    per_user_tps: float
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    itl_ms: float
+    acceptance_rate: float
+    tau: float
+    errors: int
+    speedup: float | None = None
+    per_user_speedup: float | None = None
+
+
+# ---- the client ------------------------------------------------------------------------------
+
+
+async def _one_request(http, url: str, model: str, prompt: str, index: int, max_tokens: int) -> RequestResult:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, last, text, usage, spec = None, None, "", {}, {}
+    try:
+        async with http.stream("POST", f"{url}/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return RequestResult(index, 0.0, 0.0, 0, "", error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return RequestResult(index, 0.0, 0.0, 0, text, error=event["error"]["message"])
+                for choice in event.get("choices", []):
+                    piece = choice["delta"].get("content") or ""
+                    if piece:
+                        now = time.perf_counter()
+                        ttft = now - t0 if ttft is None else ttft
+                        last = now
+                        text += piece
+                usage = event.get("usage") or usage
+                spec = event.get("spec") or spec
+    except Exception as err:  # a failed request is reported in the table, not a crashed sweep
+        return RequestResult(index, 0.0, 0.0, 0, text, error=repr(err))
+    end = time.perf_counter()
+    return RequestResult(index, ttft or end - t0, (last or end) - t0, usage.get("completion_tokens", 0), text, spec)
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
+                    max_tokens: int) -> tuple[float, list[RequestResult]]:
+    """`concurrency` users send `num_requests` requests in total (prompt i = prompts[i % len])."""
+    import httpx
+
+    todo = list(range(num_requests))
+    results: list[RequestResult] = []
+
+    async def user(http):
+        while todo:
+            i = todo.pop(0)
+            results.append(await _one_request(http, url, model, prompts[i % len(prompts)], i, max_tokens))
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(http) for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return wall, sorted(results, key=lambda r: r.prompt_index)
+
+
+def summarize(mode: str, concurrency: int, wall: float, results: list[RequestResult]) -> LevelResult:
+    ok = [r for r in results if r.error is None and r.completion_tokens > 0]
+    tokens = sum(r.completion_tokens for r in ok)
+    speeds = [(r.completion_tokens - 1) / (r.e2e - r.ttft) for r in ok if r.completion_tokens > 1 and r.e2e > r.ttft]
+    ttfts = sorted(r.ttft for r in ok) or [0.0]
+    drafted = sum(r.spec.get("num_draft_tokens", 0) for r in ok)
+    accepted = sum(r.spec.get("num_accepted_tokens", 0) for r in ok)
+    forwards = sum(r.spec.get("num_target_forwards", 0) for r in ok)
+    per_user = statistics.mean(speeds) if speeds else 0.0
+    return LevelResult(
+        mode=mode, concurrency=concurrency, num_requests=len(results), wall_seconds=round(wall, 3),
+        throughput=tokens / wall if wall > 0 else 0.0, per_user_tps=per_user,
+        ttft_p50_ms=1000 * ttfts[len(ttfts) // 2], ttft_p95_ms=1000 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+        itl_ms=1000 / per_user if per_user else 0.0,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        tau=tokens / forwards if forwards else 1.0,
+        errors=len(results) - len(ok),
+    )
+
+
+def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencies: list[int],
+              requests_per_user: int, max_tokens: int, min_requests: int = 4) -> dict:
+    """Sweep every concurrency, modes in turn; returns the report (levels, identity, settings)."""
+    from tqdm import tqdm
+
+    levels: dict[int, dict[str, LevelResult]] = {}
+    texts: dict[str, dict[tuple[int, int], str]] = {m: {} for m in urls}
+    steps = tqdm(total=len(concurrencies) * len(urls), desc="bench serve", unit="run")
+    for c in concurrencies:
+        n = max(min_requests, c * requests_per_user)
+        levels[c] = {}
+        for mode, url in urls.items():
+            steps.set_postfix_str(f"concurrency {c}, {mode}")
+            wall, results = asyncio.run(run_level(url, model, prompts, c, n, max_tokens))
+            levels[c][mode] = summarize(mode, c, wall, results)
+            texts[mode].update({(c, r.prompt_index): r.text for r in results if r.error is None})
+            steps.update()
+        base = levels[c].get("off")
+        for res in levels[c].values():
+            if base is not None and base.throughput:
+                res.speedup = res.throughput / base.throughput
+                res.per_user_speedup = res.per_user_tps / base.per_user_tps if base.per_user_tps else None
+    steps.close()
+    reference = texts.get("off") or next(iter(texts.values()))
+    identity = {
+        mode: {"compared": len(set(t) & set(reference)),
+               "mismatches": sum(1 for key, text in t.items() if key in reference and reference[key] != text)}
+        for mode, t in texts.items()
+    }
+    return {
+        "model": model,
+        "modes": list(urls),
+        "concurrency": concurrencies,
+        "requests_per_user": requests_per_user,
+        "max_tokens": max_tokens,
+        "num_prompts": len(prompts),
+        "definitions": SPEEDUP_DEFINITION,
+        "levels": {str(c): {m: asdict(r) for m, r in per.items()} for c, per in levels.items()},
+        "identity": identity,
+    }
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def print_table(report: dict) -> None:
+    head = (f"{'conc':>4} {'mode':9} {'tok/s':>8} {'speedup':>7} {'user tok/s':>10} {'user x':>6} "
+            f"{'TTFT p50':>9} {'ITL ms':>7} {'accept':>6} {'tau':>5} {'err':>3}")
+    print(head)
+    print("-" * len(head))
+    for c, per in report["levels"].items():
+        for mode, r in per.items():
+            sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+            usp = f"{r['per_user_speedup']:.2f}x" if r["per_user_speedup"] is not None else "-"
+            print(f"{c:>4} {mode:9} {r['throughput']:8.1f} {sp:>7} {r['per_user_tps']:10.1f} {usp:>6} "
+                  f"{r['ttft_p50_ms']:7.0f}ms {r['itl_ms']:7.1f} {r['acceptance_rate']:6.2f} {r['tau']:5.2f} {r['errors']:3d}")
+    for mode, ident in report["identity"].items():
+        if mode != "off":
+            print(f"{mode}: {ident['mismatches']} of {ident['compared']} answers differ from 'off' (greedy: expect 0)")
+
+
+def plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: skipping the plot")
+        return
+    cs = [int(c) for c in report["levels"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in report["modes"]:
+        rows = [report["levels"][str(c)][mode] for c in cs]
+        if mode != "off" and all(r["speedup"] is not None for r in rows):
+            ax1.plot(cs, [r["speedup"] for r in rows], marker="o", label=f"{mode}: throughput")
+            ax1.plot(cs, [r["per_user_speedup"] or 0 for r in rows], marker="x", linestyle="--", label=f"{mode}: per user")
+        ax2.plot(cs, [r["per_user_tps"] for r in rows], marker="o", label=mode)
+    ax1.axhline(1.0, color="grey", linewidth=1)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent users")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax1.set_ylabel("speedup vs speculation off")
+    ax1.set_title("Speculation speedup vs load")
+    ax2.set_ylabel("tokens/s per user (decode)")
+    ax2.set_title(f"Per-user speed, {report['model']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+# ---- launching servers -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(mode: str, args, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    """Start `python -m tandem.launch_server` for one mode and wait until /health answers."""
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tandem.launch_server", "--model", args.model, "--port", str(port),
+           "--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len),
+           "--speculative-num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"]
+    if args.algorithm:
+        cmd += ["--speculative-algorithm", args.algorithm]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    if args.reprofile and mode == "adaptive":
+        cmd += ["--reprofile"]
+    cmd += MODE_FLAGS[mode]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"server-{mode}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {mode} server exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, f"{url}/v1"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the {mode} server did not become healthy in 900 s; see {log.name}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def bench_serve(args) -> dict:
+    from tandem.bench.prompts import load_prompt_file, spread_prompts
+
+    prompts = [p.text for p in (load_prompt_file(args.prompts_file, args.num_prompts) if args.prompts_file
+                                else spread_prompts(args.num_prompts))]
+    given = dict(_parse_url(u) for u in args.url)
+    procs = []
+    try:
+        urls = {}
+        for mode in args.modes:
+            if mode in given:
+                urls[mode] = given[mode]
+            else:
+                print(f"starting the {mode} server ...", flush=True)
+                proc, urls[mode] = launch_server(mode, args, Path(args.out).parent)
+                procs.append(proc)
+        model = args.served_model or args.model
+        for url in urls.values():  # warm-up: first-request costs (allocations, caches) off the clock
+            asyncio.run(run_level(url, model, prompts[:1], 1, 1, 8))
+        report = run_sweep(urls, model, prompts, args.concurrency, args.requests_per_user, args.max_tokens)
+    finally:
+        for proc in procs:
+            stop_server(proc)
+    report["algorithm"] = args.algorithm
+    report["num_draft_tokens"] = args.num_draft_tokens
+    report["max_running_requests"] = args.max_running_requests
+    print_table(report)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+def _parse_url(spec: str) -> tuple[str, str]:
+    mode, sep, url = spec.partition("=")
+    if not sep or mode not in MODES or not url.startswith("http"):
+        raise ValueError(f"--url takes MODE=URL with MODE in {MODES} and URL like http://host:port/v1, got {spec!r}")
+    return mode, url.rstrip("/")
+
+
+def add_serve_bench_parser(kinds) -> None:
+    from tandem.model.loader import DEFAULT_MODEL
+
+    p = kinds.add_parser("serve", help="concurrency sweep against the server: speculation adaptive / fixed / off")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--algorithm", default=None, help="drafter (default: the model's default drafter)")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--url", action="append", default=[],
+                   help="MODE=URL of an already running server for that mode (repeatable); other modes are launched")
+    p.add_argument("--served-model", default=None, help="model id the given servers expect (default: --model)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--requests-per-user", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=24, help="Spec-Bench prompts, round-robin over subtasks")
+    p.add_argument("--prompts-file", default=None, help="your own prompts (.jsonl or one per line)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-running-requests", type=int, default=32, help="launched servers' running slots")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--reprofile", action="store_true", help="re-measure the adaptive server's cost curve")
+    p.add_argument("--out", default="results/serve/bench_serve.json")
+    p.add_argument("--plot", default="results/serve/bench_serve.png")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    report = bench_serve(args)
+    # A greedy mismatch means speculation changed an answer: a bug, so the exit status says so.
+    return 1 if any(v["mismatches"] for v in report["identity"].values()) else 0

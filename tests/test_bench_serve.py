@@ -1,0 +1,92 @@
+"""`tandem bench serve` against three in-process tiny servers (adaptive / fixed / off): the sweep,
+its JSON, table and plot, the lossless cross-check, and the summary arithmetic."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from conftest import tiny_loaded
+from test_server_fuzz import ByteTokenizer
+from tandem.bench.serve import RequestResult, _parse_url, summarize
+from tandem.cli import main
+from tandem.config import EngineConfig, SpecConfig
+from tandem.engine.engine import Engine
+from tandem.launch_server import serve_in_background
+from tandem.scheduler.cost_model import CostCurve
+from tandem.server.app import build_app
+from tandem.server.async_engine import AsyncEngine
+from tandem.server.metrics import ServerMetrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CHEAP = CostCurve.from_points({1: 0.01, 64: 0.0101, 256: 0.0102})
+SPECS = {
+    "adaptive": SpecConfig(algorithm="suffix", num_draft_tokens=4, policy="adaptive"),
+    "fixed": SpecConfig(algorithm="suffix", num_draft_tokens=4),
+    "off": SpecConfig(),
+}
+
+
+@pytest.fixture(scope="module")
+def servers(one_thread):
+    _, loaded = tiny_loaded("llama")
+    loaded = dataclasses.replace(loaded, tokenizer=ByteTokenizer())
+    running = {}
+    for mode, spec in SPECS.items():
+        engine = Engine(loaded, EngineConfig(max_model_len=160, max_num_seqs=4, spec=spec), cost_curve=CHEAP)
+        running[mode] = serve_in_background(build_app(AsyncEngine(engine, 8, ServerMetrics("tiny")), "tiny"))
+    yield {mode: s.url for mode, s in running.items()}
+    for s in running.values():
+        s.stop()
+
+
+def test_sweep_writes_table_json_and_plot(servers, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("count: 1 2 3 1 2 3\nsay hi\nabcabcabc\n")
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    argv = ["bench", "serve", "--served-model", "tiny", "--concurrency", "1", "3", "--requests-per-user", "1",
+            "--prompts-file", str(prompts), "--max-tokens", "24", "--out", str(out), "--plot", str(png)]
+    for mode, url in servers.items():
+        argv += ["--url", f"{mode}={url}"]
+    assert main(argv) == 0  # exit 0: every mode gave the same greedy answers
+    report = json.loads(out.read_text())
+    assert png.stat().st_size > 1000
+    assert set(report["levels"]) == {"1", "3"} and report["modes"] == ["adaptive", "fixed", "off"]
+    for c, per in report["levels"].items():
+        assert per["off"]["speedup"] == 1.0 and per["off"]["tau"] == 1.0 and per["off"]["acceptance_rate"] == 0.0
+        for mode, r in per.items():
+            assert r["errors"] == 0 and r["num_requests"] == max(4, int(c))
+            assert r["throughput"] > 0 and r["per_user_tps"] > 0 and r["ttft_p50_ms"] > 0
+            assert r["speedup"] == pytest.approx(r["throughput"] / per["off"]["throughput"])
+        assert per["fixed"]["tau"] > 1.0  # the suffix drafter hits on these repetitive prompts
+    for mode in ("adaptive", "fixed"):
+        assert report["identity"][mode] == {"compared": 4 + 4, "mismatches": 0}
+    table = capsys.readouterr().out
+    assert "conc" in table and "answers differ" in table
+
+
+def test_summary_arithmetic():
+    results = [
+        RequestResult(0, ttft=0.5, e2e=2.5, completion_tokens=21, text="a", spec={
+            "num_draft_tokens": 10, "num_accepted_tokens": 5, "num_target_forwards": 14}),
+        RequestResult(1, ttft=1.0, e2e=2.0, completion_tokens=11, text="b", spec={
+            "num_draft_tokens": 6, "num_accepted_tokens": 3, "num_target_forwards": 8}),
+        RequestResult(2, 0.0, 0.0, 0, "", error="HTTP 503"),
+    ]
+    r = summarize("fixed", 2, wall=4.0, results=results)
+    assert r.throughput == pytest.approx(32 / 4.0)
+    assert r.per_user_tps == pytest.approx((20 / 2.0 + 10 / 1.0) / 2)
+    assert r.itl_ms == pytest.approx(1000 / 10.0)
+    assert r.acceptance_rate == pytest.approx(8 / 16)
+    assert r.tau == pytest.approx(32 / 22)
+    assert r.errors == 1 and r.num_requests == 3
+    assert r.ttft_p50_ms == pytest.approx(1000.0)
+
+
+def test_url_flag_is_checked():
+    assert _parse_url("off=http://127.0.0.1:9/v1/") == ("off", "http://127.0.0.1:9/v1")
+    with pytest.raises(ValueError, match="MODE=URL"):
+        _parse_url("turbo=http://x/v1")
