@@ -78,3 +78,17 @@ def train(head, batch: TrainBatch, target: TargetParts, steps: int, lr: float = 
 def expected_tau(correct: torch.Tensor) -> float:
     """1 + sum_i mean(prod_{j<=i} correct_j) over draft_accuracy's [N, k] matrix."""
     return 1.0 + float(correct.float().cumprod(dim=1).mean(dim=0).sum())
+
+
+@functools.lru_cache(maxsize=None)
+def hf_tokenizer(vocab_size: int = 97):
+    """A saveable Hugging Face tokenizer over the toy ids ("5 17 33" <-> [5, 17, 33]), for
+    exported draft models (the loader reads a tokenizer from the model directory)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({str(i): i for i in range(vocab_size)}, unk_token="0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0", eos_token="2")

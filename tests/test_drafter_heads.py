@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_loaded
-from heads_fixtures import make_batch, parts, sharp_target, train
+from heads_fixtures import hf_tokenizer, make_batch, parts, sharp_target, train
 from tandem.audit import Auditor, audit_rounds
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters.heads.base import TargetParts
@@ -31,6 +31,7 @@ METHODS = {
     "eagle3": ("eagle3", dict(unroll_steps=3), 30, 3e-3),
     "eagle3-small": ("eagle3", dict(unroll_steps=3, draft_vocab=list(range(0, 97, 3))), 30, 3e-3),
     "mtp": ("mtp", dict(depth=3), 30, 3e-3),
+    "draft_model": ("draft_model", dict(num_layers=1), 30, 3e-3),
 }
 PROMPTS = [[5, 17, 33, 8, 91, 4], [60, 61, 62], [7] * 11 + [12, 13]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -40,6 +41,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 def trained(variant: str):
     method, options, steps, lr = METHODS[variant]
     p, batch = parts(), make_batch()
+    torch.manual_seed(0)  # the head's initialisation does not depend on which test ran first
     head = build_head(method, p, **options)
     train(head, batch, p, steps=steps, lr=lr)
     return head
@@ -52,7 +54,8 @@ def saved(tmp_path_factory):
 
     def get(variant: str):
         if variant not in out:
-            out[variant] = save_head(trained(variant), tmp_path_factory.mktemp(variant), "sharp-qwen2-0", {"steps": 1})
+            out[variant] = save_head(trained(variant), tmp_path_factory.mktemp(variant), "sharp-qwen2-0", {"steps": 1},
+                                    tokenizer=hf_tokenizer())
         return out[variant]
 
     return get
@@ -106,6 +109,8 @@ def test_wrong_target_is_refused(variant, saved):
     same_shape = TargetParts.from_loaded(sharp_target("qwen2", seed=1))  # other weights
     with pytest.raises(ValueError, match="same shapes but different weights"):
         load_head(saved(variant), same_shape)
+    if METHODS[variant][0] == "draft_model":
+        return  # served as a model: the draft_model drafter checks the vocabulary, not the head record
     with pytest.raises(ValueError, match="trained for target"):
         LLM.from_loaded(tiny_loaded("llama")[1], EngineConfig(spec=SpecConfig(METHODS[variant][0], 3, str(saved(variant)))))
 
@@ -160,6 +165,8 @@ def test_engine_drafts_match_a_cache_free_recomputation(variant, saved):
     def recording(batch):
         drafts = propose(batch)
         seen.extend((list(inp.token_ids), d.token_ids) for inp, d in zip(batch, drafts))
+        for inp in batch:  # the caches hold exactly the settled positions again
+            assert settled_lengths(drafter, inp) == expected_lengths(drafter, inp)
         return drafts
 
     drafter.propose = recording
@@ -169,6 +176,21 @@ def test_engine_drafts_match_a_cache_free_recomputation(variant, saved):
     head, p = drafter.head, parts()
     for ids, draft in seen:
         assert draft == cache_free_chain(head, p, llm, ids, len(draft))
+
+
+def settled_lengths(drafter, inp) -> list[int]:
+    if hasattr(drafter, "states"):  # mtp: one cache per module
+        return [c.length for c in drafter.states[inp.request_id].caches]
+    return [drafter.caches[inp.request_id].length]
+
+
+def expected_lengths(drafter, inp) -> list[int]:
+    """EAGLE: every position before the next token; MTP module k: positions <= m - k."""
+    m = len(inp.token_ids) - 1
+    if hasattr(drafter, "states"):
+        origin = drafter.states[inp.request_id].origin
+        return [max(0, m - k + 1 - origin) for k in range(1, drafter.head.depth + 1)]
+    return [m]
 
 
 def cache_free_chain(head, p, llm, ids: list[int], k: int) -> list[int]:

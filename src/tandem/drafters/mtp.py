@@ -77,13 +77,14 @@ class MTPDrafter(HeadDrafter):
 
     def _run(self, k: int, state: _State, ids: list[int], a: int, b: int, h_prev: torch.Tensor, keep: bool) -> torch.Tensor:
         """Module k over positions [a, b) with inputs x_{i+k} (from ids) and h^{(k-1)} rows."""
-        module = self.head.mtp[k - 1]
+        module, cache = self.head.mtp[k - 1], state.caches[k - 1]
+        before = cache.length
         tokens = torch.tensor(ids[a + k : b + k], device=self.device)
         x, attn_in = module.inputs(self.parts.embed(tokens).float().unsqueeze(0), h_prev.unsqueeze(0))
         positions = torch.arange(a, b, device=self.device).unsqueeze(0)
-        out = module.block.step(x, attn_in, positions, [state.caches[k - 1]], gap=module.gap)[0]
-        if not keep:
-            state.caches[k - 1].truncate(a - state.origin)
+        out = module.block.step(x, attn_in, positions, [cache], gap=module.gap)[0]
+        if not keep:  # a draft query: its key came from draft tokens
+            cache.truncate(before)
         return out
 
     def _draft(self, inp: DraftInput, hidden: torch.Tensor) -> Draft:

@@ -15,10 +15,12 @@ target's argmax at position t + i. With loss_mask[t] True (x_{t+1} is an answer 
 trains draft position i on the target's distribution at t + i wherever loss_mask[t + i] holds.
 
 Additions to the original contract (all keep the old names working):
-- TargetParts.lm_head_weight / layer_weights (optional), TargetParts.from_loaded (float32 copies
-  for training), TargetParts.serving (the target's own modules, for drafting), signature().
+- TargetParts.lm_head_weight / embed_weight / layer_weights (optional), TargetParts.from_loaded
+  (float32 copies for training), TargetParts.serving (the target's own modules, for drafting),
+  signature().
 - DraftHead.serving_layers (layers a drafter needs at inference; defaults to hidden_layers),
-  DraftHead.from_config, DraftHead.extra_state_names, and the head registry (register_head).
+  DraftHead.build / from_config / export / draft_vocab_size, and the head registry (register_head).
+  Heads made by build_head / load_head carry `target_parts`, `target_config`, `target_signature`.
 - Loss helpers shared by the heads: target_argmax, target_probs, soft_cross_entropy, chain_rows.
 """
 
@@ -61,8 +63,8 @@ class TargetParts:
     final_norm: output of the last decoder layer [..., H] -> final normed hidden [..., H].
     All three return float32. `from_loaded` builds float32 copies (training); `serving` wraps the
     target's own (possibly quantized, bf16) modules so drafting costs what the target's head costs.
-    lm_head_weight: the float32 [V, H] LM head weight (heads with a reduced vocabulary slice it),
-    None when serving. layer_weights(i): float32 weights of decoder layer i by role ("attn_norm",
+    lm_head_weight / embed_weight: the float32 [V, H] LM head and (unscaled) embedding weights
+    (heads with a reduced vocabulary slice the first; draft_model exports both), None when serving. layer_weights(i): float32 weights of decoder layer i by role ("attn_norm",
     "qkv", "o", "mlp_norm", "gate_up", "down"), for heads initialised from target layers.
     """
 
@@ -73,6 +75,7 @@ class TargetParts:
     final_norm: Callable[[torch.Tensor], torch.Tensor]
     lm_head_weight: torch.Tensor | None = None
     layer_weights: Callable[[int], dict[str, torch.Tensor]] | None = None
+    embed_weight: torch.Tensor | None = None
 
     @classmethod
     def from_loaded(cls, loaded: Any) -> "TargetParts":
@@ -107,7 +110,7 @@ class TargetParts:
                 "down": layer.down.dequantize(torch.float32),
             }
 
-        return cls(cfg, loaded.name, embed, lm_head, final_norm, head, layer_weights)
+        return cls(cfg, loaded.name, embed, lm_head, final_norm, head, layer_weights, model.embed.detach().float())
 
     @classmethod
     def serving(cls, loaded: Any) -> "TargetParts":
@@ -224,7 +227,7 @@ class DraftHead(nn.Module):
         """A fresh module for `target`, initialised for training (io.build_head calls this)."""
         return cls(target.config, **options)
 
-    def export(self, out_dir, target_name: str, tokenizer) -> None:
+    def export(self, out_dir, target_name: str, tokenizer, dtype: torch.dtype) -> None:
         """Extra files save_head writes next to head.json (draft_model: a loadable model dir)."""
 
     @property

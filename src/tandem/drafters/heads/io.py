@@ -16,7 +16,7 @@ import torch
 from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
 
 # Import the head modules so they register (one line per method).
-from tandem.drafters.heads import eagle, eagle3, medusa, mtp  # noqa: F401,E402
+from tandem.drafters.heads import distill, eagle, eagle3, medusa, mtp  # noqa: F401,E402
 
 FORMAT = "tandem-draft-head"
 VERSION = 1
@@ -35,9 +35,11 @@ def build_head(method: str, target: TargetParts, **options) -> DraftHead:
     return head
 
 
-def _attach_target(head: DraftHead, target: TargetParts) -> None:
+def _attach_target(head: DraftHead, target: TargetParts, signature: torch.Tensor | None = None) -> None:
+    # Plain attributes, not submodules: the target's parts are never part of the head's state.
+    head.target_parts = target
     head.target_config = target.config
-    head.target_signature = target.signature()
+    head.target_signature = target.signature() if signature is None else signature
 
 
 def _target_record(head: DraftHead, target_name: str) -> dict:
@@ -84,7 +86,7 @@ def save_head(head: DraftHead, out_dir: str | Path, target_name: str, extra_reco
     save_file(tensors, str(tmp))
     tmp.replace(out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    head.export(out, target_name, tokenizer)
+    head.export(out, target_name, tokenizer, dtype)
     return out
 
 
@@ -156,7 +158,6 @@ def load_head(path: str | Path, target: TargetParts, device: str | torch.device 
             f"{directory / WEIGHTS_FILE} does not match a {record['method']} head of config {record['config']}: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    head.target_config = target.config
-    head.target_signature = signature
+    _attach_target(head, target, signature)
     head.record = record
     return head.to(device).eval()

@@ -1,0 +1,187 @@
+"""The `draft_model` method: a small same-tokenizer causal LM distilled from the target.
+
+A few llama-style decoder layers of the target's width, started from evenly spaced target layers,
+between the target's own (frozen) embedding and LM head. Loss: KL(target || draft) of the
+next-token distributions at answer positions (target logits = lm_head(hidden L)). `export` writes
+a Hugging Face llama directory (config.json + model.safetensors + tokenizer files) that the
+`draft_model` drafter loads through --speculative-draft-model-path; the embedding (and an untied
+LM head) is copied in from the target, since today's loader reads whole checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tandem.drafters.heads.base import (
+    LOGIT_CHUNK,
+    DraftHead,
+    TargetParts,
+    TrainBatch,
+    chain_rows,
+    final_layer,
+    register_head,
+    target_argmax,
+    target_logits,
+)
+from tandem.drafters.heads.block import DraftBlock
+from tandem.model.arch import ModelConfig
+
+
+def spaced_layers(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """n target layers evenly spaced from the first to the last (their weights start the draft)."""
+    if n == 1:
+        return (0,)
+    return tuple(round(i * (num_target_layers - 1) / (n - 1)) for i in range(n))
+
+
+@register_head("draft_model")
+class DraftModelHead(DraftHead):
+    def __init__(self, cfg: ModelConfig, num_layers: int = 2, init_layers: Sequence[int] | None = None) -> None:
+        super().__init__()
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise ValueError(f"draft_model needs 1 <= num_layers <= {cfg.num_layers} (the target's), got {num_layers}")
+        self.init_layers = tuple(init_layers) if init_layers is not None else spaced_layers(cfg.num_layers, num_layers)
+        if len(self.init_layers) != num_layers or not all(0 <= i < cfg.num_layers for i in self.init_layers):
+            raise ValueError(f"init_layers must name {num_layers} target layers in [0, {cfg.num_layers}), got {list(self.init_layers)}")
+        self.cfg = cfg
+        self.num_layers_target = cfg.num_layers
+        H = cfg.hidden_size
+        self.attn_norms = nn.ModuleList(nn.RMSNorm(H, eps=cfg.rms_norm_eps) for _ in range(num_layers))
+        self.layers = nn.ModuleList(DraftBlock(cfg) for _ in range(num_layers))
+        self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+
+    @classmethod
+    def build(cls, target: TargetParts, **options) -> "DraftModelHead":
+        head = cls(target.config, **options)
+        with torch.no_grad():
+            head.norm.weight.copy_(target.final_norm(torch.ones(target.config.hidden_size)))
+            if target.layer_weights is not None:
+                for norm, block, i in zip(head.attn_norms, head.layers, head.init_layers):
+                    weights = target.layer_weights(i)
+                    block.init_from(weights)
+                    norm.weight.copy_(weights["attn_norm"])
+        return head
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return (self.num_layers_target,)
+
+    @property
+    def serving_layers(self) -> tuple[int, ...]:
+        return ()  # served by the draft_model drafter from tokens alone
+
+    def config_dict(self) -> dict:
+        return {"num_layers": len(self.layers), "init_layers": list(self.init_layers)}
+
+    def hidden(self, ids: torch.Tensor, target: TargetParts) -> torch.Tensor:
+        """Token ids [B, T] -> the draft's final normed hidden states [B, T, H] (causal)."""
+        B, T = ids.shape
+        positions = torch.arange(T, device=ids.device).expand(B, T)
+        x = target.embed(ids).float()
+        for norm, block in zip(self.attn_norms, self.layers):
+            x = block(x, norm(x), positions)
+        return self.norm(x)
+
+    def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
+        # Position t's logits predict x_{t+1}: distil them where x_{t+1} is an answer token.
+        b, t = batch.loss_mask.nonzero(as_tuple=True)
+        h = self.hidden(batch.token_ids, target)[b, t]
+        p_logits = target_logits(target, batch.hidden[final_layer(target)][b, t])
+        log_p = torch.log_softmax(p_logits, dim=-1)
+        kls = []
+        for hc, lpc in zip(h.split(LOGIT_CHUNK), log_p.split(LOGIT_CHUNK)):
+            log_q = torch.log_softmax(target.lm_head(hc), dim=-1)
+            kls.append((lpc.exp() * (lpc - log_q)).sum(-1))
+        kl = torch.cat(kls).mean() if kls else h.new_zeros(())
+        top1 = float((target.lm_head(h.detach()).argmax(-1) == p_logits.argmax(-1)).float().mean()) if len(b) else 0.0
+        return kl, {"loss": float(kl.detach()), "kl": float(kl.detach()), "top1": top1}
+
+    @torch.no_grad()
+    def draft_accuracy(self, batch: TrainBatch, target: TargetParts, k: int) -> torch.Tensor:
+        # Teacher forcing equals drafting on its own tokens for as long as the chain is correct:
+        # draft position i from start t is the draft's argmax at position t + i.
+        greedy = target_argmax(batch, target)
+        h = self.hidden(batch.token_ids, target)
+        b0, _, _ = chain_rows(batch, 0)
+        correct = torch.zeros(len(b0), k, dtype=torch.bool, device=greedy.device)
+        for i in range(k):
+            b, t, valid = chain_rows(batch, 1 + i)
+            draft = torch.cat([target.lm_head(c).argmax(-1) for c in h[b, t].split(LOGIT_CHUNK)]) if len(b) else greedy.new_zeros(0)
+            correct[:, i] = valid & (draft == greedy[b, t])
+        return correct
+
+    # ---- export: a model directory the draft_model drafter loads ---------------------------------
+
+    def export(self, out_dir, target_name: str, tokenizer, dtype: torch.dtype) -> None:
+        from safetensors.torch import save_file
+
+        cfg = self.cfg
+        if cfg.activation != "silu" or cfg.embed_scale is not None or cfg.final_logit_softcap:
+            raise ValueError(
+                f"draft_model exports a llama-architecture model; the {cfg.model_type} target's embedding scale, "
+                "activation or logit softcap has no llama equivalent (train medusa/eagle3/mtp for it instead)"
+            )
+        if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
+            raise ValueError(
+                "draft_model export needs the target's tokenizer (save_head(..., tokenizer=loaded.tokenizer)): "
+                "the draft_model drafter loads it from the exported directory"
+            )
+        parts = getattr(self, "target_parts", None)
+        if parts is None or parts.embed_weight is None or parts.lm_head_weight is None:
+            raise ValueError("draft_model export copies the target's embedding: build or load the head with TargetParts.from_loaded")
+        out = Path(out_dir)
+
+        def t(x: torch.Tensor) -> torch.Tensor:
+            return x.detach().to(dtype).cpu().contiguous()
+
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        state = {"model.embed_tokens.weight": t(parts.embed_weight), "model.norm.weight": t(self.norm.weight)}
+        if not cfg.tie_word_embeddings:
+            state["lm_head.weight"] = t(parts.lm_head_weight)
+        for i, (norm, block) in enumerate(zip(self.attn_norms, self.layers)):
+            p = f"model.layers.{i}."
+            wq, wk, wv = block.qkv.weight.split([q, kv, kv])
+            gate, up = block.gate_up.weight.chunk(2)
+            state.update({
+                p + "input_layernorm.weight": t(norm.weight),
+                p + "self_attn.q_proj.weight": t(wq),
+                p + "self_attn.k_proj.weight": t(wk),
+                p + "self_attn.v_proj.weight": t(wv),
+                p + "self_attn.o_proj.weight": t(block.o.weight),
+                p + "post_attention_layernorm.weight": t(block.mlp_norm.weight),
+                p + "mlp.gate_proj.weight": t(gate),
+                p + "mlp.up_proj.weight": t(up),
+                p + "mlp.down_proj.weight": t(block.down.weight),
+            })
+        save_file(state, str(out / "model.safetensors"))
+        theta, scaling = cfg.rope_tables[cfg.layer_rope[-1]]
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": self.layers[0].down.in_features,
+            "num_hidden_layers": len(self.layers),
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "attention_bias": False,
+            "bos_token_id": cfg.bos_token_id,
+            "eos_token_id": (list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1
+                             else cfg.eos_token_ids[0] if cfg.eos_token_ids else None),
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "tandem_draft_model_of": target_name,
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save_pretrained(str(out))

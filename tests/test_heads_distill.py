@@ -1,0 +1,77 @@
+"""draft_model (distilled draft LM): init from target layers, KL loss, overfitting a tiny batch,
+and the export: a llama directory the real loader reads, computing what the head computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_loaded
+from heads_fixtures import expected_tau, hf_tokenizer, make_batch, parts, train
+from tandem.drafters.heads.base import TargetParts
+from tandem.drafters.heads.distill import spaced_layers
+from tandem.drafters.heads.io import build_head, load_head, save_head
+from tandem.model.kv_cache import KVCache
+from tandem.model.loader import load_model
+from tandem.model.runner import ModelRunner, SeqInput
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_spaced_layers():
+    assert spaced_layers(30, 2) == (0, 29)
+    assert spaced_layers(30, 4) == (0, 10, 19, 29)
+    assert spaced_layers(4, 1) == (0,)
+
+
+def test_all_layers_reproduce_the_target():
+    """Initialised from every target layer, the draft is the target (qwen2's q/k/v biases aside:
+    use the llama target, which has none)."""
+    loaded = tiny_loaded("llama")[1]
+    p = TargetParts.from_loaded(loaded)
+    head = build_head("draft_model", p, num_layers=2, init_layers=[0, 1])
+    ids = torch.tensor([[5, 17, 33, 8, 91, 4, 17]])
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, 16, torch.float32))
+    want = runner.forward([SeqInput(runner.cache.allocate(), ids[0].tolist(), logits="all")]).logits
+    got = p.lm_head(head.hidden(ids, p))[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_overfits_a_tiny_batch():
+    p, batch = parts(), make_batch()
+    head = build_head("draft_model", p, num_layers=1)
+    before = head.draft_accuracy(batch, p, 3)
+    losses = train(head, batch, p, steps=30, lr=3e-3)
+    assert losses[-1] < losses[0] / 4
+    assert expected_tau(head.draft_accuracy(batch, p, 3)) > expected_tau(before) + 0.5
+
+
+def test_export_loads_as_a_model_computing_the_same_logits(tmp_path):
+    p, batch = parts(), make_batch()
+    head = build_head("draft_model", p, num_layers=2)
+    train(head, batch, p, steps=5, lr=3e-3)
+    save_head(head, tmp_path, "sharp-qwen2-0", tokenizer=hf_tokenizer())
+    loaded = load_model(str(tmp_path))
+    assert loaded.config.num_layers == 2 and loaded.config.vocab_size == 97
+    assert loaded.tokenizer.encode("5 17 33") == [5, 17, 33]
+    seq = batch.token_ids[0, :20].tolist()
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, 32, loaded.dtype))
+    got = runner.forward([SeqInput(runner.cache.allocate(), seq, logits="all")]).logits
+    want = p.lm_head(head.hidden(torch.tensor([seq]), p))[0]
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    # The head directory also reloads as a head (training resumes, evaluation).
+    again = load_head(tmp_path, p)
+    torch.testing.assert_close(again.hidden(torch.tensor([seq]), p), head.hidden(torch.tensor([seq]), p))
+
+
+def test_export_needs_a_tokenizer(tmp_path):
+    head = build_head("draft_model", parts(), num_layers=1)
+    with pytest.raises(ValueError, match="tokenizer"):
+        save_head(head, tmp_path, "sharp-qwen2-0")
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="num_layers"):
+        build_head("draft_model", parts(), num_layers=9)
+    with pytest.raises(ValueError, match="init_layers"):
+        build_head("draft_model", parts(), num_layers=2, init_layers=[0])
