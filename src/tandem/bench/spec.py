@@ -305,9 +305,9 @@ class Baselines:
     def describe(self) -> dict:
         assisted = {"model": self.assistant_name, "applicable": self.assistant is not None}
         if self.assistant is not None:
-            gc_ = self.assistant.generation_config
-            assisted.update(num_assistant_tokens=gc_.num_assistant_tokens,
-                            num_assistant_tokens_schedule=gc_.num_assistant_tokens_schedule)
+            cfg = self.assistant.generation_config
+            assisted.update(num_assistant_tokens=cfg.num_assistant_tokens,
+                            num_assistant_tokens_schedule=cfg.num_assistant_tokens_schedule)
         else:
             assisted["reason"] = self.assistant_reason
         return {"dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
@@ -530,12 +530,15 @@ def bench_spec(args) -> dict:
     from tandem.llm import LLM
     from tandem.model.loader import load_model
 
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1 (prompts per subtask), got {args.limit}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    methods = parse_methods(args.methods) if args.methods else None
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     skipped: dict[str, str] = {}
-    if args.methods:
-        methods = parse_methods(args.methods)
-    else:
+    if methods is None:
         methods, skipped = default_methods(loaded)
     # Encoding only: LLM.encode applies the chat template exactly as `generate(chat=True)` does.
     encoder = LLM.from_loaded(loaded, EngineConfig(model=loaded.name, max_num_seqs=1))
