@@ -79,11 +79,11 @@ class MedusaHead(DraftHead):
     def logits(self, h: torch.Tensor, target: TargetParts, heads: int | None = None) -> torch.Tensor:
         """Final normed hidden [N, H] -> [N, heads, V] logits of the first `heads` heads."""
         h = h.float()
-        outs = []
-        for i in range(heads or self.num_heads):
-            z = self.blocks[i](h)
-            outs.append(target.lm_head(z) if self.lm_heads is None else self.lm_heads[i](z))
-        return torch.stack(outs, dim=1)
+        n = heads or self.num_heads
+        z = torch.stack([self.blocks[i](h) for i in range(n)], dim=1)  # [N, n, H]
+        if self.lm_heads is None:  # one call of the shared head for every head's rows
+            return target.lm_head(z.reshape(-1, z.shape[-1])).reshape(*z.shape[:2], -1)
+        return torch.stack([self.lm_heads[i](z[:, i]) for i in range(n)], dim=1)
 
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
         hidden = batch.hidden[final_layer(target)]
