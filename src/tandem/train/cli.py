@@ -24,7 +24,7 @@ def default_prompt_files() -> list[Path]:
 
 
 def add_train_parser(sub) -> None:
-    from tandem.config import DEVICES
+    from tandem.config import DEVICES, DTYPES, QUANTIZATIONS
     from tandem.model.loader import DEFAULT_MODEL
 
     p = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3, mtp, draft_model) for a target",
@@ -53,6 +53,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--eval-k", type=int, default=5, help="draft positions scored by the held-out evaluation")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
     p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="target weights for generation and capture (auto: its serving configuration; none: a dense "
+                        "copy of the same weights, much faster for capture's long forwards on a CPU)")
+    p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES, help="target activation dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--capture-layers", type=int, nargs="*", default=[],
                    help="extra target layers to store with the head's (one capture can then serve other methods)")
@@ -122,7 +126,8 @@ def cmd_train(args) -> int:
     split = load_prompts(files, num_prompts=args.num_prompts, held_out=args.held_out, seed=args.seed)
 
     # 1. Self-distillation in the target's serving configuration (the distribution drafts are verified against).
-    llm = LLM(args.target, device=args.device, max_num_seqs=args.generation_batch, max_model_len=1024)
+    llm = LLM(args.target, device=args.device, quantization=args.quantization, dtype=args.dtype,
+              max_num_seqs=args.generation_batch, max_model_len=1024)
     loaded = llm.loaded
     dcfg = DistillConfig(target=loaded.name, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     data_dir = Path(args.data_dir) if args.data_dir else cache_root() / "train" / _slug(loaded.name)
@@ -165,6 +170,8 @@ def cmd_train(args) -> int:
             "held_out_sequences": held.num_sequences,
             "distillation": asdict(dcfg),
             "hidden_layers": list(layers),
+            "target_quantization": loaded.quantization,
+            "target_dtype": str(loaded.dtype).removeprefix("torch."),
         },
         "training": {**asdict(cfg), "steps_done": result.step, "finished": result.finished,
                      "train_seconds": round(result.seconds, 1), "last_loss": result.last_loss},

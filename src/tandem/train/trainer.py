@@ -207,7 +207,7 @@ def train(
         (out / METRICS).write_text(json.dumps({"history": history}, indent=1))
         return result
 
-    t0 = time.perf_counter()
+    t0, first_step = time.perf_counter(), step
     deadline = None if cfg.max_minutes is None else t0 + 60 * cfg.max_minutes
     plans: dict[int, list] = {}
     steps_per_epoch = len(data.epoch_plan(0, cfg.batch_size, cfg.seed))
@@ -238,6 +238,8 @@ def train(
             history.append({"step": step, "loss": round(last_loss, 5), "lr": sched.get_last_lr()[0],
                             "grad_norm": round(float(grad_norm), 4),
                             **{k: round(v, 5) for k, v in metrics.items() if k != "loss"}})
+            log.info("step %d/%d: loss %.4f (%.1f s/step)", step, cfg.steps, last_loss,
+                     (time.perf_counter() - t0) / max(1, step - first_step))
         if step % cfg.eval_every == 0 or step == cfg.steps:
             last_eval = run_eval()
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
