@@ -166,6 +166,12 @@ def _check_meta(directory: Path, meta: dict) -> None:
         _atomic_write(file, lambda p: p.write_text(json.dumps(meta, indent=1)))
 
 
+def _prompt_seed(cfg: DistillConfig, prompt: str) -> int | None:
+    """Sampling seed of one prompt, from the run seed and the prompt itself: a resumed run (or
+    one sharded differently) samples exactly the answers an uninterrupted one would."""
+    return None if cfg.temperature == 0 else (cfg.seed << 32) | int(prompt_key(prompt)[:8], 16)
+
+
 def read_answers(directory: str | Path) -> list[dict]:
     """Every finished record of a distillation cache, shard by shard."""
     out = []
@@ -194,12 +200,8 @@ def distill(llm, prompts: list[str], directory: str | Path, cfg: DistillConfig, 
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distillation", unit="prompt", disable=None)
     for start in range(0, len(todo), shard_size):
         chunk = todo[start : start + shard_size]
-        # Per-prompt seeds: a resumed run samples exactly what an uninterrupted one would.
-        params = [
-            SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                           seed=None if cfg.temperature == 0 else cfg.seed * 1_000_003 + int(prompt_key(p), 16) % 1_000_003)
-            for p in chunk
-        ]
+        params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=_prompt_seed(cfg, p))
+                  for p in chunk]
         # Prompts too long for a full-length answer in the context are recorded as skipped (done).
         ids = [llm.encode(p, chat) for p in chunk]
         fits = [i for i, x in enumerate(ids) if len(x) + cfg.max_new_tokens <= llm.config.max_model_len]
