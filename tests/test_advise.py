@@ -100,7 +100,7 @@ def advice(tmp_path_factory):
     from tandem.cli import main
 
     root = tmp_path_factory.mktemp("advise")
-    dirs = save_tiny_family(root, target_layers=8)
+    dirs = save_tiny_family(root, target_layers=24)
     prompts = root / "prompts.txt"
     prompts.write_text("Write a haiku about rain.\nList three prime numbers.\nWhat is the capital of France?\n")
     out = root / "advice.json"

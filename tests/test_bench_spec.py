@@ -171,7 +171,7 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(str(src.hf_dir))
 
 
-def save_tiny_family(root: Path, target_layers: int = 12) -> dict[str, str]:
+def save_tiny_family(root: Path, target_layers: int = 4) -> dict[str, str]:
     """Tiny HF model directories sharing SmolLM2's tokenizer (49152 tokens):
 
     target: `target_layers` layers, of which all but the first add nothing (zero attention and MLP
