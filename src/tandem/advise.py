@@ -150,7 +150,8 @@ def setup_warnings(loaded, curve: CostCurve, bandwidth_gb_s: float, weight_bytes
     if threads < cores:
         out.append(Advice("threads", "target", (
             f"torch uses {threads} of {cores} available cores: leave --threads unset (or pass --threads {cores}) "
-            "unless other work needs the rest")))
+            "unless other work keeps the other cores busy (then fewer threads avoid waiting on busy cores, "
+            "which can cost far more than the cores gain)")))
     return out
 
 
