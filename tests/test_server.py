@@ -261,6 +261,21 @@ def test_cancelled_streams_abort_and_free_the_cache(spec_server):
     assert engine.drafter is not None and engine.policy is not None
 
 
+def test_non_streaming_request_is_aborted_when_its_client_leaves(plain_server):
+    server, engine = plain_server
+    body = {"prompt": [5], "max_tokens": MAX_LEN - 2, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not engine.has_work()
+    assert engine.cache.num_free == engine.config.max_num_seqs
+    aborted = [line for line in httpx.get(server.url.removesuffix("/v1") + "/metrics").text.splitlines()
+               if line.startswith("tandem:request_success_total") and 'finished_reason="abort"' in line]
+    assert aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 1
+
+
 ERRORS = [
     # (path, body, status, param)
     ("/completions", {"prompt": [1, 2], "temperature": -1}, 400, "temperature"),

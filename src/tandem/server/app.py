@@ -8,6 +8,7 @@ text. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import uuid
@@ -17,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import SamplingParams
@@ -36,8 +38,8 @@ from tandem.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    SamplingFields,
     Usage,
-    _Sampling,
 )
 from tandem.types import SpecStats
 
@@ -59,7 +61,7 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 def _sse(payload) -> str:
-    data = payload if isinstance(payload, str) else payload.model_dump_json(exclude_none=False)
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
     return f"data: {data}\n\n"
 
 
@@ -69,7 +71,9 @@ class ServingContext:
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
+        # Its own copy: the engine thread decodes with the original at the same time, and a Rust
+        # tokenizer used from two threads at once can fail with "Already borrowed".
+        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
         self.max_model_len = engine.engine.config.max_model_len
         self.vocab_size = engine.engine.loaded.config.vocab_size
 
@@ -130,8 +134,6 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
@@ -175,7 +177,7 @@ def _encode_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     return list(ids)
 
 
-def _sampling_params(ctx: ServingContext, body: _Sampling, prompts: list[list[int]]) -> list[list[SamplingParams]]:
+def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]]) -> list[list[SamplingParams]]:
     """One SamplingParams per choice of each prompt; checks each prompt fits the context."""
     out = []
     for p in prompts:
@@ -203,7 +205,7 @@ def _sampling_params(ctx: ServingContext, body: _Sampling, prompts: list[list[in
     return out
 
 
-async def _serve(ctx: ServingContext, body: _Sampling, prompts: list[list[int]], request: Request, chat: bool):
+async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]], request: Request, chat: bool):
     if body.model is not None and body.model != ctx.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
                        param="model", code="model_not_found")
@@ -227,6 +229,8 @@ async def _serve(ctx: ServingContext, body: _Sampling, prompts: list[list[int]],
         return StreamingResponse(stream(ctx, gen, api_id, prompt_tokens, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts, outputs = await _drain(gen, request)
+    if len(outputs) < len(gen.choices):  # the client went away and the generation was aborted
+        return Response(status_code=499)
     if any(o.error for o in outputs.values()):
         message = next(o.error for o in outputs.values() if o.error)
         raise APIError(500, message, "internal_error")

@@ -127,10 +127,12 @@ def load_prompts(paths: list[str | Path], num_prompts: int | None = None, held_o
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """How the target answers the prompts. Stored with the cache: a cache made under other
-    settings is refused rather than silently mixed."""
+    """How the target answers the prompts (quantization: the target's weights, as resolved by the
+    loader). Stored with the cache: a cache made under other settings is refused rather than
+    silently mixed."""
 
     target: str
+    quantization: str = "auto"
     max_new_tokens: int = 160
     temperature: float = 0.0
     seed: int = 0
