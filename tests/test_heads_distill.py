@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_loaded
-from heads_fixtures import expected_tau, hf_tokenizer, make_batch, parts, train
+from heads_fixtures import expected_tau, hf_tokenizer, make_batch, parts, sharp_target, train
 from tandem.drafters.heads.base import TargetParts
 from tandem.drafters.heads.distill import spaced_layers
 from tandem.drafters.heads.io import build_head, load_head, save_head
@@ -75,3 +75,36 @@ def test_bad_options_are_refused():
         build_head("draft_model", parts(), num_layers=9)
     with pytest.raises(ValueError, match="init_layers"):
         build_head("draft_model", parts(), num_layers=2, init_layers=[0])
+
+
+def test_reduced_vocab_export_is_served_by_the_draft_model_drafter(tmp_path):
+    """vocab_size 60 of 97: a smaller file; the drafter never proposes ids >= 60, feeds them as
+    the unknown token (as training did), and greedy output still equals plain decoding."""
+    import dataclasses
+
+    from tandem.config import EngineConfig, SamplingParams, SpecConfig
+    from tandem.llm import LLM
+
+    p, batch = parts(), make_batch()
+    head = build_head("draft_model", p, num_layers=1, vocab_size=60)
+    losses = train(head, batch, p, steps=20, lr=3e-3)
+    assert losses[-1] < losses[0]
+    save_head(head, tmp_path, "sharp-qwen2-0", tokenizer=hf_tokenizer())
+    exported = load_model(str(tmp_path))
+    assert exported.config.vocab_size == 60
+    seq = batch.token_ids[1, :20].tolist()
+    assert max(seq) >= 60  # the stand-in path is exercised
+    runner = ModelRunner(exported.model, KVCache(exported.config, 1, 32, exported.dtype))
+    got = runner.forward([SeqInput(runner.cache.allocate(), [t if t < 60 else 0 for t in seq], logits="all")]).logits
+    torch.testing.assert_close(got, head.logits(head.hidden(torch.tensor([seq]), p)[0], p), rtol=1e-3, atol=1e-3)
+
+    target = dataclasses.replace(sharp_target(), tokenizer=hf_tokenizer())  # vocabularies compared by token
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [[5, 17, 33, 8, 91, 4], [60, 61, 62], [7] * 11 + [12, 13]]
+    plain = [o.token_ids for o in LLM.from_loaded(target, EngineConfig(max_model_len=128)).generate(prompts, params)]
+    llm = LLM.from_loaded(target, EngineConfig(max_model_len=128, spec=SpecConfig("draft_model", 3, str(tmp_path))))
+    drafted = []
+    propose = llm.engine.drafter.propose
+    llm.engine.drafter.propose = lambda b: [drafted.extend(d.token_ids) or d for d in propose(b)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    assert drafted and max(drafted) < 60

@@ -120,7 +120,7 @@ class TargetParts:
         dtype = model.dtype
 
         def embed(ids: torch.Tensor) -> torch.Tensor:
-            return model.embed_tokens(ids).float()
+            return model.embed_tokens(ids.to(model.embed.device)).float()
 
         def final_norm(x: torch.Tensor) -> torch.Tensor:
             return model.norm(x.to(dtype)).float()
@@ -259,30 +259,17 @@ def chain_rows(batch: TrainBatch, offset: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @torch.no_grad()
-def target_logits(target: TargetParts, hidden: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Target logits [N, V] (or [N, len(vocab_ids)]) for final normed hidden rows [N, H], chunked."""
-    outs = []
-    weight = None
-    if vocab_ids is not None and target.lm_head_weight is not None:
-        weight = target.lm_head_weight.to(hidden.device)[vocab_ids.to(hidden.device)]
-    for chunk in hidden.split(LOGIT_CHUNK):
-        if weight is not None:
-            logits = _softcap(F.linear(chunk.float(), weight), target.config.final_logit_softcap)
-        else:
-            logits = target.lm_head(chunk)
-            if vocab_ids is not None:
-                logits = logits[:, vocab_ids.to(logits.device)]
-        outs.append(logits.float())
-    if not outs:
-        width = target.config.vocab_size if vocab_ids is None else len(vocab_ids)
-        return hidden.new_zeros(0, width)
-    return torch.cat(outs)
+def target_logits(target: TargetParts, hidden: torch.Tensor) -> torch.Tensor:
+    """Target logits [N, V] for final normed hidden rows [N, H], computed in row chunks."""
+    if not len(hidden):
+        return hidden.new_zeros(0, target.config.vocab_size)
+    return torch.cat([target.lm_head(chunk).float() for chunk in hidden.split(LOGIT_CHUNK)])
 
 
 @torch.no_grad()
-def target_probs(target: TargetParts, hidden: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+def target_probs(target: TargetParts, hidden: torch.Tensor) -> torch.Tensor:
     """softmax of target_logits: the distribution the head is distilled towards."""
-    return torch.softmax(target_logits(target, hidden, vocab_ids), dim=-1)
+    return torch.softmax(target_logits(target, hidden), dim=-1)
 
 
 @torch.no_grad()

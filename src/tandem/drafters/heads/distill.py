@@ -5,7 +5,12 @@ between the target's own (frozen) embedding and LM head. Loss: KL(target || draf
 next-token distributions at answer positions (target logits = lm_head(hidden L)). `export` writes
 a Hugging Face llama directory (config.json + model.safetensors + tokenizer files) that the
 `draft_model` drafter loads through --speculative-draft-model-path; the embedding (and an untied
-LM head) is copied in from the target, since today's loader reads whole checkpoints.
+LM head) is copied in from the target, since the loader reads whole checkpoints.
+
+`vocab_size` < the target's keeps the file small: the draft model covers the first `vocab_size`
+target ids (BPE vocabularies put frequent tokens first). The draft_model drafter already serves
+such a model: it never proposes the other ids (q is zero there) and feeds them to the draft as
+its unknown token, which training mirrors with `stand_in`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tandem.drafters.heads.base import (
     TrainBatch,
     chain_rows,
     final_layer,
+    masked_mean,
     register_head,
     target_argmax,
     target_logits,
@@ -41,8 +47,14 @@ def spaced_layers(num_target_layers: int, n: int) -> tuple[int, ...]:
 
 @register_head("draft_model")
 class DraftModelHead(DraftHead):
-    def __init__(self, cfg: ModelConfig, num_layers: int = 2, init_layers: Sequence[int] | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, num_layers: int = 2, init_layers: Sequence[int] | None = None,
+                 vocab_size: int | None = None, stand_in: int = 0) -> None:
         super().__init__()
+        self.vocab_size = vocab_size or cfg.vocab_size
+        if not 1 <= self.vocab_size <= cfg.vocab_size or not 0 <= stand_in < self.vocab_size:
+            raise ValueError(f"draft_model needs 1 <= vocab_size <= {cfg.vocab_size} and 0 <= stand_in < vocab_size, "
+                             f"got {vocab_size}, {stand_in}")
+        self.stand_in = stand_in
         if not 1 <= num_layers <= cfg.num_layers:
             raise ValueError(f"draft_model needs 1 <= num_layers <= {cfg.num_layers} (the target's), got {num_layers}")
         self.init_layers = tuple(init_layers) if init_layers is not None else spaced_layers(cfg.num_layers, num_layers)
@@ -76,29 +88,43 @@ class DraftModelHead(DraftHead):
         return ()  # served by the draft_model drafter from tokens alone
 
     def config_dict(self) -> dict:
-        return {"num_layers": len(self.layers), "init_layers": list(self.init_layers)}
+        return {"num_layers": len(self.layers), "init_layers": list(self.init_layers), "vocab_size": self.vocab_size,
+                "stand_in": self.stand_in}
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        return self.vocab_size if self.vocab_size < self.cfg.vocab_size else None
 
     def hidden(self, ids: torch.Tensor, target: TargetParts) -> torch.Tensor:
-        """Token ids [B, T] -> the draft's final normed hidden states [B, T, H] (causal)."""
+        """Token ids [B, T] -> the draft's final normed hidden states [B, T, H] (causal); ids
+        outside the draft vocabulary enter as the stand-in, as the draft_model drafter feeds them."""
         B, T = ids.shape
         positions = torch.arange(T, device=ids.device).expand(B, T)
+        ids = ids.masked_fill(ids >= self.vocab_size, self.stand_in)
         x = target.embed(ids).float()
         for norm, block in zip(self.attn_norms, self.layers):
             x = block(x, norm(x), positions)
         return self.norm(x)
 
+    def logits(self, h: torch.Tensor, target: TargetParts) -> torch.Tensor:
+        """Draft hidden [N, H] -> logits over the draft vocabulary [N, vocab_size]."""
+        return target.lm_head(h)[..., : self.vocab_size]
+
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
-        # Position t's logits predict x_{t+1}: distil them where x_{t+1} is an answer token.
+        # Position t's logits predict x_{t+1}: distil them where x_{t+1} is an answer token. A
+        # reduced vocabulary learns the target's distribution renormalised over it, at positions
+        # whose target argmax it holds.
         b, t = batch.loss_mask.nonzero(as_tuple=True)
         h = self.hidden(batch.token_ids, target)[b, t]
-        p_logits = target_logits(target, batch.hidden[final_layer(target)][b, t])
-        log_p = torch.log_softmax(p_logits, dim=-1)
+        full = target_logits(target, batch.hidden[final_layer(target)][b, t])
+        valid = full.argmax(-1) < self.vocab_size
+        log_p = torch.log_softmax(full[:, : self.vocab_size], dim=-1)
         kls = []
         for hc, lpc in zip(h.split(LOGIT_CHUNK), log_p.split(LOGIT_CHUNK)):
-            log_q = torch.log_softmax(target.lm_head(hc), dim=-1)
+            log_q = torch.log_softmax(self.logits(hc, target), dim=-1)
             kls.append((lpc.exp() * (lpc - log_q)).sum(-1))
-        kl = torch.cat(kls).mean() if kls else h.new_zeros(())
-        top1 = float((target.lm_head(h.detach()).argmax(-1) == p_logits.argmax(-1)).float().mean()) if len(b) else 0.0
+        kl = masked_mean(torch.cat(kls), valid) if kls else h.new_zeros(())
+        top1 = float(masked_mean((self.logits(h.detach(), target).argmax(-1) == log_p.argmax(-1)).float(), valid))
         return kl, {"loss": float(kl.detach()), "kl": float(kl.detach()), "top1": top1}
 
     @torch.no_grad()
@@ -111,7 +137,7 @@ class DraftModelHead(DraftHead):
         correct = torch.zeros(len(b0), k, dtype=torch.bool, device=greedy.device)
         for i in range(k):
             b, t, valid = chain_rows(batch, 1 + i)
-            draft = torch.cat([target.lm_head(c).argmax(-1) for c in h[b, t].split(LOGIT_CHUNK)]) if len(b) else greedy.new_zeros(0)
+            draft = torch.cat([self.logits(c, target).argmax(-1) for c in h[b, t].split(LOGIT_CHUNK)]) if len(b) else greedy.new_zeros(0)
             correct[:, i] = valid & (draft == greedy[b, t])
         return correct
 
@@ -131,6 +157,12 @@ class DraftModelHead(DraftHead):
                 "draft_model export needs the target's tokenizer (save_head(..., tokenizer=loaded.tokenizer)): "
                 "the draft_model drafter loads it from the exported directory"
             )
+        unk = getattr(tokenizer, "unk_token_id", None) or 0
+        if self.draft_vocab_size is not None and unk != self.stand_in:
+            raise ValueError(
+                f"the draft_model drafter feeds ids outside the draft vocabulary as the tokenizer's unknown token "
+                f"{unk}; this head was trained with stand_in={self.stand_in}: rebuild it with stand_in={unk}"
+            )
         parts = getattr(self, "target_parts", None)
         if parts is None or parts.embed_weight is None or parts.lm_head_weight is None:
             raise ValueError("draft_model export copies the target's embedding: build or load the head with TargetParts.from_loaded")
@@ -140,9 +172,10 @@ class DraftModelHead(DraftHead):
             return x.detach().to(dtype).cpu().contiguous()
 
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        state = {"model.embed_tokens.weight": t(parts.embed_weight), "model.norm.weight": t(self.norm.weight)}
+        V = self.vocab_size
+        state = {"model.embed_tokens.weight": t(parts.embed_weight[:V]), "model.norm.weight": t(self.norm.weight)}
         if not cfg.tie_word_embeddings:
-            state["lm_head.weight"] = t(parts.lm_head_weight)
+            state["lm_head.weight"] = t(parts.lm_head_weight[:V])
         for i, (norm, block) in enumerate(zip(self.attn_norms, self.layers)):
             p = f"model.layers.{i}."
             wq, wk, wv = block.qkv.weight.split([q, kv, kv])
@@ -163,7 +196,7 @@ class DraftModelHead(DraftHead):
         config = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
-            "vocab_size": cfg.vocab_size,
+            "vocab_size": V,
             "hidden_size": cfg.hidden_size,
             "intermediate_size": self.layers[0].down.in_features,
             "num_hidden_layers": len(self.layers),
