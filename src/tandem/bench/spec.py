@@ -95,7 +95,7 @@ def target_info(loaded):
     eos = set(loaded.config.eos_token_ids)
     if loaded.tokenizer.eos_token_id is not None:
         eos.add(loaded.tokenizer.eos_token_id)
-    return TargetInfo(loaded.config.vocab_size, tuple(sorted(eos)), loaded.tokenizer, "cpu", loaded.name)
+    return TargetInfo.of(loaded, tuple(sorted(eos)))
 
 
 def default_methods(loaded) -> tuple[list[Method], dict[str, str]]:
