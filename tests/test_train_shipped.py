@@ -1,0 +1,42 @@
+"""The drafters shipped for the default model: records are complete and speculation with each is
+lossless on the real SmolLM2 (greedy output identical to plain decoding)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SHIPPED = Path(__file__).resolve().parents[1] / "src" / "tandem" / "drafters" / "shipped" / "smollm2-135m-instruct"
+HEADS = sorted(p for p in SHIPPED.glob("*") if (p / "head.json").exists()) if SHIPPED.exists() else []
+
+
+@pytest.mark.parametrize("head_dir", HEADS, ids=lambda p: p.name)
+def test_shipped_record_is_complete(head_dir):
+    from tandem.drafters.heads.io import read_head_config
+
+    config = read_head_config(head_dir)
+    assert config["target"]["model_name"] == "smollm2-135m-instruct" and config["method"] == head_dir.name
+    record = json.loads((head_dir / "training_record.json").read_text())
+    assert record["data"]["train_sequences"] > 0 and record["training"]["steps_done"] > 0
+    held = record["held_out"]
+    assert held["tau"] == pytest.approx(1 + sum(held["cumulative"]), abs=1e-3)
+    assert sum(f.stat().st_size for f in head_dir.iterdir()) < 30 * 2**20  # kept small in the repo
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dir", HEADS, ids=lambda p: p.name)
+def test_shipped_drafter_is_lossless_on_the_real_model(head_dir):
+    from tandem.config import EngineConfig, SamplingParams, SpecConfig
+    from tandem.llm import LLM
+
+    plain = LLM(max_model_len=512)
+    spec = LLM.from_loaded(plain.loaded, EngineConfig(max_model_len=512, spec=SpecConfig(
+        algorithm=head_dir.name, num_draft_tokens=4, draft_model_path=str(head_dir))))
+    prompts = ["Explain in three sentences why the sky is blue.", "Natalia sold 48 clips in April and half as many in May. How many in total?"]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    want = [o.token_ids for o in plain.generate(prompts, params, chat=True)]
+    got = spec.generate(prompts, params, chat=True)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.spec.num_accepted_tokens for o in got) > 0
