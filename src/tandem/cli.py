@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from tandem.train.cli import add_train_parser
+
+    add_train_parser(sub)
 
     from tandem.advise import add_advise_parser
 
