@@ -249,3 +249,17 @@ def test_extreme_uniforms_never_pick_a_filtered_token():
     assert (p[tokens] > 0).all()
     # Inverse CDF on (1 - u): u = 0 takes the last token, u -> 1 the first.
     assert tokens[0] == 2098 and tokens[1] == 1024
+
+
+def test_degenerate_top_p_and_temperature_keep_a_valid_distribution():
+    """top_p below fp32's smallest value and a denormal temperature (both accepted by the API)
+    still give a distribution: the top token survives top-p; tiny temperatures act as greedy."""
+    from tandem.config import SamplingParams
+    from tandem.sampling import processed_probs
+
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    probs = processed_probs(logits, SamplingParams(temperature=1.0, top_p=5e-324))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0]]))
+    tiny = SamplingParams(temperature=5e-324)
+    assert tiny.greedy
+    assert torch.equal(processed_probs(logits, tiny), torch.tensor([[0.0, 1.0, 0.0]]))

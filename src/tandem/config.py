@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "native", "int8", "int4")
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM: temperatures this small are argmax in all but name (and 1/T overflows).
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 SPEC_POLICIES = ("fixed", "adaptive")

@@ -56,6 +56,8 @@ def processed_probs(
         # strictly before it already reaches top_p (so the most likely token always stays).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        # A top_p below fp32's smallest value compares as 0: the top token must still stay.
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:
