@@ -14,7 +14,7 @@ def add_bench_parser(sub) -> None:
 
     base = kinds.add_parser("base", help="plain decoding: tandem configurations vs transformers (and llama.cpp)")
     base.add_argument("--model", default=DEFAULT_MODEL)
-    base.add_argument("--configs", nargs="+", default=["float32/none", "bfloat16/none", "bfloat16/int8", "bfloat16/int4", "native"],
+    base.add_argument("--configs", nargs="+", default=["float32/none", "bfloat16/none", "bfloat16/int8", "bfloat16/int4", "bfloat16/native", "int8", "int4", "native"],
                       help="DTYPE/QUANTIZATION pairs (or a quantization alone)")
     base.add_argument("--num-prompts", type=int, default=6)
     base.add_argument("--max-new-tokens", type=int, default=64)
