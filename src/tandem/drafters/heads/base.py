@@ -21,7 +21,8 @@ Additions to the original contract (all keep the old names working):
 - DraftHead.serving_layers (layers a drafter needs at inference; defaults to hidden_layers),
   DraftHead.build / from_config / export / draft_vocab_size, and the head registry (register_head).
   Heads made by build_head / load_head carry `target_parts`, `target_config`, `target_signature`.
-- Loss helpers shared by the heads: target_argmax, target_probs, soft_cross_entropy, chain_rows.
+- Loss helpers shared by the heads: masked_targets, target_logits, target_argmax, soft_cross_entropy,
+  masked_mean, chain_rows.
 """
 
 from __future__ import annotations
@@ -266,10 +267,30 @@ def target_logits(target: TargetParts, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([target.lm_head(chunk).float() for chunk in hidden.split(LOGIT_CHUNK)])
 
 
+@dataclass
+class MaskedTargets:
+    """The target's logits at every loss-masked position of a batch, computed once per batch
+    (every draft position of every head reads some of them: the graded position t + i of a
+    chain starting at t is loss-masked exactly when its next token is an answer token).
+
+    row_of [B, T] long: row of `logits` for position (b, t), -1 where not loss-masked.
+    logits [N, V] float32.
+    """
+
+    row_of: torch.Tensor
+    logits: torch.Tensor
+
+    def rows(self, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Logits at positions (b, t), which must be loss-masked."""
+        return self.logits[self.row_of[b, t]]
+
+
 @torch.no_grad()
-def target_probs(target: TargetParts, hidden: torch.Tensor) -> torch.Tensor:
-    """softmax of target_logits: the distribution the head is distilled towards."""
-    return torch.softmax(target_logits(target, hidden), dim=-1)
+def masked_targets(batch: TrainBatch, target: TargetParts) -> MaskedTargets:
+    b, t = batch.loss_mask.nonzero(as_tuple=True)
+    row_of = torch.full(batch.loss_mask.shape, -1, dtype=torch.long, device=batch.loss_mask.device)
+    row_of[b, t] = torch.arange(len(b), device=row_of.device)
+    return MaskedTargets(row_of, target_logits(target, batch.hidden[final_layer(target)][b, t]))
 
 
 @torch.no_grad()

@@ -22,10 +22,10 @@ from tandem.drafters.heads.base import (
     TrainBatch,
     chain_rows,
     final_layer,
+    masked_targets,
     register_head,
     soft_cross_entropy,
     target_argmax,
-    target_probs,
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.model.arch import ModelConfig
@@ -146,6 +146,7 @@ class EagleHead(FeatureHead):
         L = final_layer(target)
         hidden = batch.hidden[L].float()
         outs = self.unroll(batch, target, self.unroll_steps, self.feature_noise if self.training else 0.0)
+        targets = masked_targets(batch, target)
         total, weights, metrics = hidden.new_zeros(()), 0.0, {}
         for s, out in enumerate(outs):
             # Chain j's step s predicts the feature at j + 1 + s and, through it, x_{j+2+s}
@@ -156,7 +157,8 @@ class EagleHead(FeatureHead):
             pred = out[b, j]
             true = hidden[b, j + 1 + s]
             feature_loss = F.smooth_l1_loss(pred, true)
-            token_loss = soft_cross_entropy(target.lm_head(pred), target_probs(target, true)).mean()
+            p = torch.softmax(targets.rows(b, j + 1 + s), dim=-1)
+            token_loss = soft_cross_entropy(target.lm_head(pred), p).mean()
             step_loss = self.feature_weight * feature_loss + self.token_weight * token_loss
             w = self.step_decay**s
             total, weights = total + w * step_loss, weights + w

@@ -21,9 +21,9 @@ from tandem.drafters.heads.base import (
     TrainBatch,
     final_layer,
     masked_mean,
+    masked_targets,
     register_head,
     soft_cross_entropy,
-    target_logits,
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.drafters.heads.eagle import FeatureHead
@@ -148,6 +148,7 @@ class Eagle3Head(FeatureHead):
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
         hidden = batch.hidden[final_layer(target)]
         outs = self.unroll(batch, target, self.unroll_steps)
+        targets = masked_targets(batch, target)
         draft_ids = self.draft_ids.to(hidden.device)
         total, weights, metrics = hidden.new_zeros(()), 0.0, {}
         for s, out in enumerate(outs):
@@ -155,8 +156,7 @@ class Eagle3Head(FeatureHead):
             b, j = torch.nonzero(batch.loss_mask[:, 1 + s :], as_tuple=True)
             if not len(b):
                 continue
-            rows = hidden[b, j + 1 + s]
-            full = target_logits(target, rows)
+            full = targets.rows(b, j + 1 + s)
             valid = self.in_draft_vocab(full.argmax(-1))
             p = torch.softmax(full[:, draft_ids], dim=-1)
             logits = self.head_logits(out[b, j], target)

@@ -20,10 +20,10 @@ from tandem.drafters.heads.base import (
     chain_rows,
     final_layer,
     masked_mean,
+    masked_targets,
     register_head,
     soft_cross_entropy,
     target_argmax,
-    target_probs,
 )
 from tandem.model.arch import ModelConfig
 
@@ -87,6 +87,7 @@ class MedusaHead(DraftHead):
 
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
         hidden = batch.hidden[final_layer(target)]
+        targets = masked_targets(batch, target)
         b0, t0, _ = chain_rows(batch, 0)
         h = hidden[b0, t0].float()  # [N, H]
         total, weights, metrics = h.new_zeros(()), 0.0, {}
@@ -94,7 +95,8 @@ class MedusaHead(DraftHead):
             b, t, valid = chain_rows(batch, 1 + i)
             z = self.blocks[i](h)
             logits = target.lm_head(z) if self.lm_heads is None else self.lm_heads[i](z)
-            p = target_probs(target, hidden[b, t])
+            # Invalid rows (graded position not loss-masked) read row 0 and are masked out.
+            p = torch.softmax(targets.logits[targets.row_of[b, t].clamp(min=0)], dim=-1)
             loss_i = masked_mean(soft_cross_entropy(logits, p), valid)
             w = HEAD_DECAY**i
             total, weights = total + w * loss_i, weights + w

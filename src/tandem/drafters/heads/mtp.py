@@ -21,10 +21,10 @@ from tandem.drafters.heads.base import (
     TargetParts,
     TrainBatch,
     chain_rows,
+    masked_targets,
     register_head,
     soft_cross_entropy,
     target_argmax,
-    target_probs,
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.drafters.heads.eagle import shift_left
@@ -102,6 +102,7 @@ class MTPHead(DraftHead):
 
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
         final = batch.hidden[self.num_layers_target]
+        targets = masked_targets(batch, target)
         outs = self.run_all(batch, target)
         total, weights, metrics = final.new_zeros(()), 0.0, {}
         for k, h in enumerate(outs, start=1):
@@ -110,7 +111,7 @@ class MTPHead(DraftHead):
             if not len(b):
                 continue
             logits = self.logits(h[b, i], target)
-            p = target_probs(target, final[b, i + k])
+            p = torch.softmax(targets.rows(b, i + k), dim=-1)
             loss_k = soft_cross_entropy(logits, p).mean()
             w = self.module_decay ** (k - 1)
             total, weights = total + w * loss_k, weights + w
