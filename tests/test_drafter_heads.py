@@ -185,12 +185,13 @@ def settled_lengths(drafter, inp) -> list[int]:
 
 
 def expected_lengths(drafter, inp) -> list[int]:
-    """EAGLE: every position before the next token; MTP module k: positions <= m - k."""
+    """EAGLE: every position before the next token; MTP module k: positions <= m - k (both
+    counted from the position the cache started at)."""
     m = len(inp.token_ids) - 1
     if hasattr(drafter, "states"):
         origin = drafter.states[inp.request_id].origin
         return [max(0, m - k + 1 - origin) for k in range(1, drafter.head.depth + 1)]
-    return [m]
+    return [m - drafter.caches[inp.request_id].origin]
 
 
 def cache_free_chain(head, p, llm, ids: list[int], k: int) -> list[int]:
@@ -240,3 +241,31 @@ def test_real_target_greedy_identity(variant, tmp_path):
     out = LLM.from_loaded(loaded, spec).generate(prompt, params, chat=True)[0]
     assert out.token_ids == base.token_ids
     assert out.spec.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "mtp"])
+def test_a_round_the_drafter_missed_restarts_its_cache(variant, saved):
+    """If the engine skipped the drafter for a round (a zero draft budget), that round's hidden
+    rows never reach it: the next call restarts from the rows it gets instead of misplacing them."""
+    from tandem.drafters import DraftInput
+
+    llm = make_llm(variant, saved(variant), k=3)
+    drafter = llm.engine.drafter
+    ctx = PROMPTS[0] + [11, 12, 13, 14, 15, 16]
+    hidden = prefill_hidden(llm, ctx)  # rows for ctx[:-1]
+    params = SamplingParams(temperature=0)
+
+    def call(n_ctx: int, rows: slice):
+        inp = DraftInput("r", ctx[:n_ctx], 6, 3, params, torch.Generator(), {k: v[rows] for k, v in hidden.items()})
+        return drafter.propose([inp])[0], inp
+
+    first, _ = call(6, slice(0, 5))  # prefill of the prompt
+    assert len(first) == 3
+    draft, inp = call(10, slice(7, 9))  # rows 5 and 6 (committed in a skipped round) never arrive
+    assert len(draft) == 3
+    assert settled_lengths(drafter, inp) == expected_lengths(drafter, inp)
+    assert settled_lengths(drafter, inp)[0] == 2  # positions 7 and 8
+    draft, inp = call(11, slice(9, 10))  # the next round connects to the restarted cache
+    assert len(draft) == 3
+    assert settled_lengths(drafter, inp) == expected_lengths(drafter, inp)
+    assert settled_lengths(drafter, inp)[0] == 3  # positions 7, 8, 9: kept, not restarted again

@@ -64,18 +64,19 @@ class EagleDrafter(HeadDrafter):
             feat = head.block.step(resid, attn_in, positions, [caches[j] for j in keep])[:, 0]
             live = keep
         for j, (inp, cache) in enumerate(zip(inputs, caches)):
-            cache.truncate(len(inp.token_ids) - 1)  # drop the draft steps' keys
+            cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
             drafts[rows[j]] = make_draft(tokens[j], qs[j])
         return drafts
 
     def _catch_up_cache(self, inp: DraftInput) -> RowCache:
-        """The request's cache, holding exactly the positions before its new hidden rows (a
-        request the drafter lost track of restarts from an empty cache)."""
+        """The request's cache, holding exactly the positions before its new hidden rows. Rows
+        that never arrived (a round the engine did not ask for a draft) cannot be recovered: the
+        cache then restarts at the first row it has (drafts stay valid, with less context)."""
         cache = self.caches.get(inp.request_id)
         n = len(inp.hidden[self.head.serving_layers[0]])
         first = len(inp.token_ids) - 1 - n
-        if cache is None or cache.length != first:
-            cache = self.caches[inp.request_id] = self.head.block.new_cache(self.device)
+        if cache is None or cache.origin + cache.length != first:
+            cache = self.caches[inp.request_id] = self.head.block.new_cache(self.device, origin=first)
         return cache
 
     def _catch_up(self, inp: DraftInput, cache: RowCache) -> torch.Tensor:

@@ -27,10 +27,13 @@ class RowCache:
     """One request's keys and values for one block: [Hkv, capacity, D] each, grown by doubling.
 
     positions[i] is the position of the token whose key sits in slot i; `truncate` drops the
-    slots of draft tokens after a round (their keys came from predicted features).
+    slots of draft tokens after a round (their keys came from predicted features). origin: the
+    position of slot 0 (0 unless the cache had to restart mid-sequence).
     """
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 64) -> None:
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 64,
+                 origin: int = 0) -> None:
+        self.origin = origin
         self.k = torch.zeros(kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.positions = torch.zeros(capacity, dtype=torch.long, device=device)
@@ -171,8 +174,8 @@ class DraftBlock(nn.Module):
 
     # ---- drafting ------------------------------------------------------------------------------
 
-    def new_cache(self, device: torch.device) -> RowCache:
-        return RowCache(self.kv_heads, self.head_dim, self.qkv.weight.dtype, device)
+    def new_cache(self, device: torch.device, origin: int = 0) -> RowCache:
+        return RowCache(self.kv_heads, self.head_dim, self.qkv.weight.dtype, device, origin=origin)
 
     def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache], gap: int = 1) -> torch.Tensor:
         """R requests, t new tokens each: x [R, t, H], attn_in [R, t, Din], positions [R, t].
