@@ -53,10 +53,10 @@ def api_schema(one_thread):
 
 
 CASES = [  # (path, method, generation mode, examples); parameterless GETs have no invalid form
-    ("/v1/completions", "POST", GenerationMode.POSITIVE, 40),
-    ("/v1/completions", "POST", GenerationMode.NEGATIVE, 40),
-    ("/v1/chat/completions", "POST", GenerationMode.POSITIVE, 40),
-    ("/v1/chat/completions", "POST", GenerationMode.NEGATIVE, 40),
+    ("/v1/completions", "POST", GenerationMode.POSITIVE, 30),
+    ("/v1/completions", "POST", GenerationMode.NEGATIVE, 30),
+    ("/v1/chat/completions", "POST", GenerationMode.POSITIVE, 30),
+    ("/v1/chat/completions", "POST", GenerationMode.NEGATIVE, 30),
     ("/v1/models", "GET", GenerationMode.POSITIVE, 3),
     ("/health", "GET", GenerationMode.POSITIVE, 3),
     ("/metrics", "GET", GenerationMode.POSITIVE, 3),

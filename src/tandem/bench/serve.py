@@ -141,12 +141,29 @@ def summarize(mode: str, concurrency: int, wall: float, results: list[RequestRes
 
 
 def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencies: list[int],
-              requests_per_user: int, max_tokens: int, min_requests: int = 4) -> dict:
-    """Sweep every concurrency, modes in turn; returns the report (levels, identity, settings)."""
+              requests_per_user: int, max_tokens: int, min_requests: int = 4, save=None) -> dict:
+    """Sweep every concurrency, modes in turn; returns the report (levels, identity, settings).
+    `save(report)` is called after each concurrency, so an interrupted sweep keeps what it measured."""
     from tqdm import tqdm
 
     levels: dict[int, dict[str, LevelResult]] = {}
     texts: dict[str, dict[tuple[int, int], str]] = {m: {} for m in urls}
+
+    def report() -> dict:
+        reference = texts.get("off") or next(iter(texts.values()))
+        identity = {
+            mode: {"compared": len(set(t) & set(reference)),
+                   "mismatches": sum(1 for key, text in t.items() if key in reference and reference[key] != text)}
+            for mode, t in texts.items()
+        }
+        return {
+            "model": model, "modes": list(urls), "concurrency": concurrencies,
+            "requests_per_user": requests_per_user, "max_tokens": max_tokens, "num_prompts": len(prompts),
+            "definitions": SPEEDUP_DEFINITION,
+            "levels": {str(c): {m: asdict(r) for m, r in per.items()} for c, per in levels.items()},
+            "identity": identity,
+        }
+
     steps = tqdm(total=len(concurrencies) * len(urls), desc="bench serve", unit="run")
     for c in concurrencies:
         n = max(min_requests, c * requests_per_user)
@@ -162,24 +179,10 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
             if base is not None and base.throughput:
                 res.speedup = res.throughput / base.throughput
                 res.per_user_speedup = res.per_user_tps / base.per_user_tps if base.per_user_tps else None
+        if save is not None:
+            save(report())
     steps.close()
-    reference = texts.get("off") or next(iter(texts.values()))
-    identity = {
-        mode: {"compared": len(set(t) & set(reference)),
-               "mismatches": sum(1 for key, text in t.items() if key in reference and reference[key] != text)}
-        for mode, t in texts.items()
-    }
-    return {
-        "model": model,
-        "modes": list(urls),
-        "concurrency": concurrencies,
-        "requests_per_user": requests_per_user,
-        "max_tokens": max_tokens,
-        "num_prompts": len(prompts),
-        "definitions": SPEEDUP_DEFINITION,
-        "levels": {str(c): {m: asdict(r) for m, r in per.items()} for c, per in levels.items()},
-        "identity": identity,
-    }
+    return report()
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -289,8 +292,14 @@ def stop_server(proc: subprocess.Popen) -> None:
 def bench_serve(args) -> dict:
     from tandem.bench.prompts import load_prompt_file, spread_prompts
 
-    prompts = [p.text for p in (load_prompt_file(args.prompts_file, args.num_prompts) if args.prompts_file
-                                else spread_prompts(args.num_prompts))]
+    if args.prompts_file:
+        chosen = load_prompt_file(args.prompts_file, args.num_prompts)
+    else:  # round-robin over the (chosen) Spec-Bench subtasks
+        chosen = [p for p in spread_prompts(10**6) if not args.categories or p.category in args.categories]
+        chosen = chosen[: args.num_prompts]
+    if not chosen:
+        raise ValueError(f"no prompts in categories {args.categories}")
+    prompts = [p.text for p in chosen]
     given = dict(_parse_url(u) for u in args.url)
     procs = []
     try:
@@ -305,17 +314,22 @@ def bench_serve(args) -> dict:
         model = args.served_model or args.model
         for url in urls.values():  # warm-up: first-request costs (allocations, caches) off the clock
             asyncio.run(run_level(url, model, prompts[:1], 1, 1, 8))
-        report = run_sweep(urls, model, prompts, args.concurrency, args.requests_per_user, args.max_tokens)
+        settings = {"algorithm": args.algorithm, "num_draft_tokens": args.num_draft_tokens,
+                    "max_running_requests": args.max_running_requests, "categories": args.categories,
+                    "launched": [m for m in urls if m not in given], "threads": args.threads}
+
+        def save(report):
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps({**report, **settings}, indent=2))
+
+        report = {**run_sweep(urls, model, prompts, args.concurrency, args.requests_per_user, args.max_tokens,
+                              save=save), **settings}
     finally:
         for proc in procs:
             stop_server(proc)
-    report["algorithm"] = args.algorithm
-    report["num_draft_tokens"] = args.num_draft_tokens
-    report["max_running_requests"] = args.max_running_requests
     print_table(report)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
     if args.plot:
         plot(report, args.plot)
@@ -343,6 +357,8 @@ def add_serve_bench_parser(kinds) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--requests-per-user", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=24, help="Spec-Bench prompts, round-robin over subtasks")
+    p.add_argument("--categories", nargs="+", default=None,
+                   help="Spec-Bench subtasks to draw from (multi_turn translation summarization qa math_reasoning rag)")
     p.add_argument("--prompts-file", default=None, help="your own prompts (.jsonl or one per line)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-running-requests", type=int, default=32, help="launched servers' running slots")

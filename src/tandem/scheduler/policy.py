@@ -144,10 +144,10 @@ class AdaptivePolicy(SpeculationPolicy):
     tau_r(k) = 1 + sum_{j<k} prod_{i<=j} a_r[i] tokens per forward with k drafts. The verification
     forward pads every request to the longest chain, so with a common cap K it covers
     B * (K + 1) tokens and costs curve(B * (K + 1)) (the runner's [B, T] layout), plus the
-    drafter's time; `curve` is the profile corrected by measured rounds (LiveCurve). For each K in 0..k_max each request drafts min(K, limit, useful) where
-    `useful` drops positions whose expected tokens cost more draft time than they save; the K with
-    the best tokens/second wins if it beats plain decoding (K = 0: B tokens per curve(B)) by
-    MIN_GAIN. As the batch grows the curve turns linear and K falls to 0: speculation switches
+    drafter's time; `curve` is the profile corrected by measured rounds (LiveCurve). For each K in
+    0..k_max each request drafts min(K, limit, useful) where `useful` drops positions whose
+    expected tokens cost more draft time than they save; the K with the best tokens/second wins
+    if it beats plain decoding (K = 0: B tokens per curve(B)) by MIN_GAIN. As the batch grows the curve turns linear and K falls to 0: speculation switches
     itself off when verification stops being cheap.
     """
 
