@@ -24,6 +24,17 @@ from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+# The clock every timing in a run uses: wall time, or with --cpu-time the CPU time of the calling
+# thread with every engine on one thread (on a shared host wall time mostly measures the
+# neighbours; single-thread CPU time compares the work each engine does per token). Process CPU
+# time would not do: idle OpenMP workers spinning after a parallel region count in it.
+_clock = time.perf_counter
+
+
+def use_cpu_clock(enabled: bool) -> None:
+    global _clock
+    _clock = time.thread_time if enabled else time.perf_counter
 CONTEXT_FOR_CURVE = 200
 
 
@@ -58,9 +69,9 @@ def _median_time(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = _clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(_clock() - t)
     return statistics.median(times)
 
 
@@ -96,9 +107,9 @@ def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_
     llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), chat=True)
     tokens, seconds, token_ids = 0, 0.0, []
     for p in prompts:
-        t = time.perf_counter()
+        t = _clock()
         out = llm.generate(p, params, chat=True)[0]
-        seconds += time.perf_counter() - t
+        seconds += _clock() - t
         tokens += len(out.token_ids)
         token_ids.append(out.token_ids)
     curve = tandem_cost_curve(llm.loaded)
@@ -138,9 +149,9 @@ def run_transformers(model_name: str, prompts: list[str], max_new: int) -> BaseR
         tokens, seconds = 0, 0.0
         for p in prompts:
             ids = encode(p)
-            t = time.perf_counter()
+            t = _clock()
             out = model.generate(ids, **gen)
-            seconds += time.perf_counter() - t
+            seconds += _clock() - t
             tokens += out.shape[1] - ids.shape[1]
         curve = _transformers_cost_curve(model)
     return BaseResult("transformers generate fp32", tokens / seconds,
@@ -184,15 +195,18 @@ def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int
 
     tokens, seconds = 0, 0.0
     for p in prompts:
-        t = time.perf_counter()
+        t = _clock()
         out = llm.create_chat_completion([{"role": "user", "content": p}], max_tokens=max_new, temperature=0.0,
                                          logits_processor=[no_eos])
-        seconds += time.perf_counter() - t
+        seconds += _clock() - t
         tokens += out["usage"]["completion_tokens"]
     return BaseResult("llama.cpp (same GGUF)", tokens / seconds)
 
 
 def bench_base(args) -> dict:
+    if args.cpu_time and args.threads != 1:
+        raise ValueError("--cpu-time measures one thread: run it with --threads 1")
+    use_cpu_clock(args.cpu_time)
     prompts = [p.text for p in spec_bench_prompts(per_category=1)][: args.num_prompts]
     bandwidth = measure_bandwidth()
     print(f"read bandwidth: {bandwidth:.1f} GB/s; {len(prompts)} Spec-Bench prompts, {args.max_new_tokens} new tokens each")
@@ -216,6 +230,7 @@ def bench_base(args) -> dict:
             r.agreement_tokens = sum(spans) / len(spans)
             r.agreement_identical = sum(s == len(b) for s, b in zip(spans, reference.token_ids))
     report = {"model": args.model, "bandwidth_gb_s": bandwidth, "max_new_tokens": args.max_new_tokens,
+              "clock": "thread CPU time" if args.cpu_time else "wall", "threads": args.threads,
               "num_prompts": len(prompts),
               "results": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]}
     print_table(report)

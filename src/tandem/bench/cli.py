@@ -20,6 +20,8 @@ def add_bench_parser(sub) -> None:
     base.add_argument("--max-new-tokens", type=int, default=64)
     base.add_argument("--threads", type=int, default=None)
     base.add_argument("--skip-transformers", action="store_true")
+    base.add_argument("--cpu-time", action="store_true",
+                      help="time with the CPU time of one thread instead of wall time (for a shared host; implies --threads 1)")
     base.add_argument("--out", default="results/bench_base.json")
     base.add_argument("--plot", default="results/bench_base.png")
     base.set_defaults(func=_run_base)
@@ -59,6 +61,9 @@ def _run_base(args: argparse.Namespace) -> int:
     from tandem.bench.base import bench_base
     from tandem.llm import configure_threads
 
+    if args.cpu_time and args.threads != 1:
+        print("--cpu-time: every engine runs on one thread (--threads 1)")
+        args.threads = 1
     configure_threads(args.threads)
     bench_base(args)
     return 0
