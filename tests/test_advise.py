@@ -48,6 +48,19 @@ def test_a_costly_drafter_is_told_it_does_not_pay():
     assert a.break_even_batch == 1
 
 
+def test_short_drafts_pay_only_for_what_they_verify():
+    """Half the rounds draft nothing, half draft 4: at k = 4 a round costs the mean of c(1) and c(5),
+    not c(5); at k = 2 the drafting rounds verify 3 tokens."""
+    steep = CostCurve.from_points({1: 0.01, 3: 0.02, 5: 0.04, 9: 0.08})
+    acc = [0.4, 0.9, 0.9, 0.9]
+    a = analyse_drafter("lookup", acc, steep, 4, 0.0, 1.0, 1.5, k_max=4, draft_lengths=[5, 0, 0, 0, 5])
+    assert a.predicted_at_k_measured == pytest.approx(expected_tau(acc, 4) * 0.01 / ((0.01 + 0.04) / 2))
+    full = analyse_drafter("full", acc, steep, 4, 0.0, 1.0, 1.5, k_max=4)
+    assert full.predicted_at_k_measured == pytest.approx(expected_tau(acc, 4) * 0.01 / 0.04)
+    at2 = expected_tau(acc, 2) * 0.01 / ((0.01 + 0.02) / 2)
+    assert a.expected_tau[2] == pytest.approx(expected_tau(acc, 2)) and a.predicted_best >= at2 - 1e-12
+
+
 def test_measurements_far_from_the_prediction_are_flagged():
     a = analyse_drafter("good", [0.9, 0.8, 0.7, 0.6], GENTLE, 4, 0.0005, 1.9, 3.1, k_max=4)
     a.measured_best = a.predicted_best * 0.5

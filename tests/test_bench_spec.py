@@ -97,6 +97,7 @@ def test_draft_accounting_matches_the_engine_counters(report):
         r = report["categories"][OVERALL]["tandem"][m]
         d = r["draft"]
         assert sum(d["passed_per_position"]) == r["spec"]["num_accepted_tokens"]
+        assert sum(n * c for n, c in enumerate(d["drafted_lengths"])) == r["spec"]["num_draft_tokens"]
         reached, passed = d["reached_per_position"], d["passed_per_position"]
         assert all(p <= q for p, q in zip(passed, reached))
         assert all(passed[i] >= reached[i + 1] for i in range(len(reached) - 1))
@@ -105,17 +106,18 @@ def test_draft_accounting_matches_the_engine_counters(report):
 
 def test_draft_profile_record_and_merge():
     a = DraftProfile()
-    a.record(budget=4, accepted=2)  # positions 0, 1, 2 reached; 0, 1 passed
-    a.record(budget=2, accepted=2)  # both reached and passed (the bonus token is not a position)
-    a.record(budget=3, accepted=0)  # only position 0 reached
-    assert a.reached == [3, 2, 1, 0] and a.passed == [2, 2, 0, 0]
+    a.record(budget=4, drafted=4, accepted=2)  # positions 0, 1, 2 reached; 0, 1 passed
+    a.record(budget=2, drafted=2, accepted=2)  # both reached and passed (the bonus token is not a position)
+    a.record(budget=3, drafted=0, accepted=0)  # only position 0 reached (an empty draft fails there)
+    assert a.reached == [3, 2, 1, 0] and a.passed == [2, 2, 0, 0] and a.lengths == [1, 0, 1, 0, 1]
     assert a.acceptance() == pytest.approx([2 / 3, 1.0, 0.0, 0.0])
     assert a.acceptance(6)[4:] == [0.0, 0.0]
     b = DraftProfile()
-    b.record(budget=1, accepted=1)
+    b.record(budget=1, drafted=1, accepted=1)
     b.seconds = 0.5
     a.merge(b)
     assert a.reached == [4, 2, 1, 0] and a.passed == [3, 2, 0, 0] and a.rounds == 4 and a.requested == 10
+    assert a.lengths == [1, 1, 1, 0, 1]
     assert a.seconds_per_position == pytest.approx(0.05)
 
 

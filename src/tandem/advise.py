@@ -66,16 +66,31 @@ def monotone(curve: CostCurve) -> CostCurve:
     return CostCurve(curve.sizes, tuple(seconds))
 
 
-def draft_cost_model(seconds_per_position: float):
-    """Drafting k tokens for each of `batch` requests, linear in both (measured per position)."""
-    return lambda k, batch: batch * k * seconds_per_position
+def draft_cost_model(seconds_per_position: float, lengths: list[int] | None = None, curve: CostCurve | None = None):
+    """A cost_model DraftCost: drafting time (linear in k and the batch, measured per requested
+    position), plus the correction for drafts shorter than k. cost_model prices every round at a
+    full (k + 1)-token forward; a drafter that often finds nothing (n-gram, suffix) or drafts
+    adaptively verifies fewer tokens, so with its measured draft lengths (lengths[n] = rounds that
+    drafted n tokens at the largest k) a round costs the mean of curve(B * (1 + min(n, k))) instead.
+    The correction is negative: it is the verification such a drafter does not pay for."""
+    rounds = sum(lengths) if lengths and curve is not None else 0
+
+    def cost(k: int, batch: int) -> float:
+        drafting = batch * k * seconds_per_position
+        if not rounds:
+            return drafting
+        verify = sum(c * curve(batch * (1 + min(n, k))) for n, c in enumerate(lengths)) / rounds
+        return drafting + verify - curve(batch * (k + 1))
+
+    return cost
 
 
 def analyse_drafter(label: str, acceptance: list[float], curve: CostCurve, k_measured: int,
                     draft_seconds_per_position: float, measured_speedup: float, measured_tau: float,
-                    k_max: int = K_MAX) -> DrafterAdvice:
-    """Predictions for one drafter from its measured acceptance profile (pure: no timing)."""
-    cost = draft_cost_model(draft_seconds_per_position)
+                    k_max: int = K_MAX, draft_lengths: list[int] | None = None) -> DrafterAdvice:
+    """Predictions for one drafter from its measured acceptance profile and draft lengths (pure:
+    no timing)."""
+    cost = draft_cost_model(draft_seconds_per_position, draft_lengths, curve)
     k, best = best_k(acceptance, curve, 1, k_max, cost)
     advice = DrafterAdvice(
         label=label, k_measured=k_measured, acceptance=list(acceptance),
@@ -188,7 +203,8 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
     for m in methods:
         row = profiled[Method(m.algorithm, m.draft_path, k_max).label]
         advice.append(analyse_drafter(m.label, row["drafted_acceptance"] + [0.0] * (k_max - len(row["drafted_acceptance"])),
-                                      curve, k_max, row["draft_seconds_per_position"], row["speedup"], row["tau"], k_max))
+                                      curve, k_max, row["draft_seconds_per_position"], row["speedup"], row["tau"], k_max,
+                                      row["draft"]["drafted_lengths"]))
     # Check the prediction at each drafter's best k with a second measured run.
     recheck = [Method(m.algorithm, m.draft_path, a.best_k) for m, a in zip(methods, advice) if 0 < a.best_k != k_max]
     rows = measure(recheck) if recheck else {}
@@ -217,8 +233,9 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
         "recommendation": recommendation(advice),
         "warnings": [asdict(w) for w in warnings],
         "definitions": {**DEFINITIONS, "predicted speedup": (
-            "tau(k) * cost(1) / (cost(k + 1) + k * drafting seconds per token), cost = measured forward "
-            "seconds over n new tokens; at concurrency B: cost(B) and cost(B * (k + 1))")},
+            "tau(k) * cost(1) / (mean over rounds of cost(1 + min(drafted, k)) + k * drafting seconds per "
+            "token), cost = measured forward seconds over n new tokens, drafted = the measured draft "
+            "lengths; at concurrency B: cost(B) and cost(B * (1 + min(drafted, k)))")},
         "machine": machine_info(),
     }
 

@@ -129,10 +129,13 @@ class DraftProfile:
     seconds: float = 0.0
     reached: list[int] = field(default_factory=list)
     passed: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # lengths[n] = rounds that drafted n tokens
 
-    def record(self, budget: int, accepted: int) -> None:
+    def record(self, budget: int, drafted: int, accepted: int) -> None:
         self.rounds += 1
         self.requested += budget
+        _grow(self.lengths, min(drafted, budget) + 1)
+        self.lengths[min(drafted, budget)] += 1
         # Worked example: budget 4, accepted 2 -> positions 0, 1, 2 were reachable, 0 and 1 passed.
         reachable = min(budget, accepted + 1)
         _grow(self.reached, budget)
@@ -146,7 +149,7 @@ class DraftProfile:
         self.rounds += other.rounds
         self.requested += other.requested
         self.seconds += other.seconds
-        for mine, theirs in ((self.reached, other.reached), (self.passed, other.passed)):
+        for mine, theirs in ((self.reached, other.reached), (self.passed, other.passed), (self.lengths, other.lengths)):
             _grow(mine, len(theirs))
             for i, v in enumerate(theirs):
                 mine[i] += v
@@ -166,6 +169,7 @@ class DraftProfile:
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "requested_positions": self.requested, "seconds": round(self.seconds, 4),
                 "reached_per_position": list(self.reached), "passed_per_position": list(self.passed),
+                "drafted_lengths": list(self.lengths),
                 "drafted_acceptance": [round(a, 4) for a in self.acceptance()]}
 
 
@@ -195,7 +199,7 @@ class _ProbedDrafter:
         for o in outcomes:
             budget = self._budgets.pop(o.request_id, 0)
             if budget:
-                self.profile.record(budget, o.num_accepted)
+                self.profile.record(budget, o.num_drafted, o.num_accepted)
         self._inner.observe(outcomes)
 
     def __getattr__(self, name):
