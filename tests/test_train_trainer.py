@@ -86,10 +86,10 @@ def test_overfits_a_tiny_set(captured, tmp_path):
     head = _head(loaded)
     cfg = TrainConfig(steps=60, batch_size=4, lr=3e-2, eval_every=30, checkpoint_every=1000)
     batch = data.batch(*data.in_order(8)[0])
-    first = float(head.training_loss(batch, _target(loaded))[0])
+    first = float(head.training_loss(batch, _target(loaded))[0].detach())
     result = train(head, _target(loaded), data, held, cfg, tmp_path)
     head.eval()
-    last = float(head.training_loss(batch, _target(loaded))[0])
+    last = float(head.training_loss(batch, _target(loaded))[0].detach())
     assert result.finished and result.step == 60
     assert last < first / 4, (first, last)
     metrics = json.loads((tmp_path / "metrics.json").read_text())["history"]
