@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MODES = ("adaptive", "fixed", "off")
+WARMUP_PROMPT = "Say hello."
 MODE_FLAGS = {
     "adaptive": ["--speculative-policy", "adaptive"],
     "fixed": ["--speculative-policy", "fixed"],
@@ -164,13 +165,20 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
             "identity": identity,
         }
 
+    sizes = [max(min_requests, c * requests_per_user) for c in concurrencies]
+    if sum(sizes) > len(prompts):
+        print(f"note: {sum(sizes)} requests over {len(prompts)} prompts: prompts repeat across levels, and a "
+              "drafter that remembers earlier answers (suffix) will look better than it is", flush=True)
     steps = tqdm(total=len(concurrencies) * len(urls), desc="bench serve", unit="run")
-    for c in concurrencies:
-        n = max(min_requests, c * requests_per_user)
+    offset = 0
+    for c, n in zip(concurrencies, sizes):
+        # Each level takes fresh prompts (all modes the same ones), so no level replays another's.
+        level_prompts = [prompts[(offset + i) % len(prompts)] for i in range(n)]
+        offset += n
         levels[c] = {}
         for mode, url in urls.items():
             steps.set_postfix_str(f"concurrency {c}, {mode}")
-            wall, results = asyncio.run(run_level(url, model, prompts, c, n, max_tokens))
+            wall, results = asyncio.run(run_level(url, model, level_prompts, c, n, max_tokens))
             levels[c][mode] = summarize(mode, c, wall, results)
             texts[mode].update({(c, r.prompt_index): r.text for r in results if r.error is None})
             steps.update()
@@ -302,6 +310,9 @@ def bench_serve(args) -> dict:
     prompts = [p.text for p in chosen]
     given = dict(_parse_url(u) for u in args.url)
     procs = []
+    # SIGTERM (e.g. `kill`) must still run the finally below, which stops the launched servers.
+    launching = any(m not in given for m in args.modes)
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if launching else None
     try:
         urls = {}
         for mode in args.modes:
@@ -312,8 +323,8 @@ def bench_serve(args) -> dict:
                 proc, urls[mode] = launch_server(mode, args, Path(args.out).parent)
                 procs.append(proc)
         model = args.served_model or args.model
-        for url in urls.values():  # warm-up: first-request costs (allocations, caches) off the clock
-            asyncio.run(run_level(url, model, prompts[:1], 1, 1, 8))
+        for url in urls.values():  # warm-up: first-request costs off the clock (not a sweep prompt)
+            asyncio.run(run_level(url, model, [WARMUP_PROMPT], 1, 1, 8))
         settings = {"algorithm": args.algorithm, "num_draft_tokens": args.num_draft_tokens,
                     "max_running_requests": args.max_running_requests, "categories": args.categories,
                     "launched": [m for m in urls if m not in given], "threads": args.threads}
@@ -328,12 +339,18 @@ def bench_serve(args) -> dict:
     finally:
         for proc in procs:
             stop_server(proc)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print_table(report)
     if args.out:
         print(f"wrote {args.out}")
     if args.plot:
         plot(report, args.plot)
     return report
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _parse_url(spec: str) -> tuple[str, str]:
@@ -356,7 +373,8 @@ def add_serve_bench_parser(kinds) -> None:
     p.add_argument("--served-model", default=None, help="model id the given servers expect (default: --model)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--requests-per-user", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=24, help="Spec-Bench prompts, round-robin over subtasks")
+    p.add_argument("--num-prompts", type=int, default=80,
+                   help="Spec-Bench prompts, round-robin over subtasks; each level takes fresh ones")
     p.add_argument("--categories", nargs="+", default=None,
                    help="Spec-Bench subtasks to draw from (multi_turn translation summarization qa math_reasoning rag)")
     p.add_argument("--prompts-file", default=None, help="your own prompts (.jsonl or one per line)")
