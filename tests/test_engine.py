@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_loaded
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.drafters import Drafter, register
+from tandem.drafters import Drafter, DrafterNeeds, register
 from tandem.llm import LLM
 from tandem.types import Draft
 
@@ -159,3 +159,32 @@ def test_prompt_longer_than_context_is_rejected():
 def test_unknown_drafter_lists_available():
     with pytest.raises(ValueError, match="available"):
         make_llm(spec=SpecConfig(algorithm="nope"))
+
+
+@register("test_hidden_counter")
+class HiddenCountingDrafter(Drafter):
+    """Declares the final hidden layer and records how many rows each proposal receives."""
+
+    needs = DrafterNeeds(hidden_layers=(2,))
+    received: list[tuple[int, int]] = []  # (rows received, tokens in the context)
+
+    def propose(self, batch):
+        for inp in batch:
+            type(self).received.append((int(inp.hidden[2].shape[0]), len(inp.token_ids)))
+        return [Draft([5]) for _ in batch]
+
+
+def test_drafter_sees_every_hidden_row_when_the_policy_skips_rounds():
+    """Rounds where the policy gives a request k = 0 must not drop the hidden states of the
+    tokens processed in them: the next proposal gets all rows since the previous one."""
+    llm = make_llm(spec=SpecConfig(algorithm="test_hidden_counter", num_draft_tokens=1))
+    engine = llm.engine
+    turn = iter(range(1000))
+    engine.policy.draft_lengths = lambda slots: [s.limit if next(turn) % 3 == 2 else 0 for s in slots]
+    HiddenCountingDrafter.received.clear()
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    received = HiddenCountingDrafter.received
+    assert received
+    # The target has processed every token but the last one of the context: all of those rows
+    # reached the drafter, summed over its proposals.
+    assert sum(rows for rows, _ in received) == received[-1][1] - 1

@@ -156,7 +156,12 @@ class Engine:
                 continue
             # Keep the KV of next_token + accepted drafts; the recovered/bonus token is the next input.
             self.cache.truncate(req.seq, self.cache.last_start[req.seq] + 1 + accepted)
-            req.hidden = {layer: h[b][: accepted + 1] for layer, h in out.hidden.items()}
+            kept = {layer: h[b][: accepted + 1] for layer, h in out.hidden.items()}
+            if req.hidden_delivered or not req.hidden:
+                req.hidden = kept
+            else:  # the drafter sat this round out: it must still see these rows
+                req.hidden = {layer: torch.cat([req.hidden[layer], rows]) for layer, rows in kept.items()}
+            req.hidden_delivered = False
             update = self._commit(req, tokens, drafted=len(draft), accepted=accepted)
             updates.append(update)
             if self.policy is not None:
@@ -181,6 +186,7 @@ class Engine:
                 inputs.append(
                     DraftInput(req.request_id, req.context, len(req.prompt_ids), k, req.params, req.generator, req.hidden)
                 )
+                req.hidden_delivered = True
         drafts = [Draft.empty() for _ in batch]
         t0 = time.perf_counter()
         proposed = self.drafter.propose(inputs) if inputs else []

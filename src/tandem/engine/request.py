@@ -33,7 +33,10 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    # Hidden states of the tokens the target processed since the drafter last saw this request
+    # (rows accumulate over rounds the policy gave it no draft tokens).
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_delivered: bool = False
 
     @property
     def finished(self) -> bool:
