@@ -85,7 +85,10 @@ class Auditor:
         self.runner = ModelRunner(engine.loaded.model, self.cache)
         self.rows = [self.cache.allocate() for _ in range(batch)]
         # Prefill the context once and copy its KV rows: every round starts from the same state.
-        self.runner.forward([SeqInput(self.rows[0], self.ctx[:-1])])
+        # Drafters that read target hidden states (trained heads) get the context's rows, as the
+        # engine gives them after a prefill.
+        prefill = self.runner.forward([SeqInput(self.rows[0], self.ctx[:-1])], engine.drafter.needs.hidden_layers)
+        self.hidden = {layer: rows[0] for layer, rows in prefill.hidden.items()}
         n = len(self.ctx) - 1
         for r in self.rows[1:]:
             self.cache.k[:, r, :, :n] = self.cache.k[:, self.rows[0], :, :n]
@@ -113,7 +116,10 @@ class Auditor:
             for start in range(0, rounds, self.batch):
                 size = min(self.batch, rounds - start)
                 gens = [make_generator(seed * 1_000_003 + start + i) for i in range(size)]
-                inputs = [DraftInput(f"audit-{start + i}", self.ctx, len(self.ctx), self.k, self.params, g) for i, g in enumerate(gens)]
+                inputs = [
+                    DraftInput(f"audit-{start + i}", self.ctx, len(self.ctx), self.k, self.params, g, self.hidden)
+                    for i, g in enumerate(gens)
+                ]
                 drafts = [d.truncated(self.k) for d in drafter.propose(inputs)]
                 fwd = self.runner.forward(
                     [SeqInput(self.rows[i], [self.ctx[-1], *d.token_ids], logits="all") for i, d in enumerate(drafts)]
