@@ -223,12 +223,15 @@ def plot(report: dict, path: str) -> None:
         return
     cs = [int(c) for c in report["levels"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"adaptive": "tab:blue", "fixed": "tab:orange", "off": "tab:green"}
     for mode in report["modes"]:
         rows = [report["levels"][str(c)][mode] for c in cs]
+        color = colors.get(mode)
         if mode != "off" and all(r["speedup"] is not None for r in rows):
-            ax1.plot(cs, [r["speedup"] for r in rows], marker="o", label=f"{mode}: throughput")
-            ax1.plot(cs, [r["per_user_speedup"] or 0 for r in rows], marker="x", linestyle="--", label=f"{mode}: per user")
-        ax2.plot(cs, [r["per_user_tps"] for r in rows], marker="o", label=mode)
+            ax1.plot(cs, [r["speedup"] for r in rows], marker="o", color=color, label=f"{mode}: throughput")
+            ax1.plot(cs, [r["per_user_speedup"] or 0 for r in rows], marker="x", linestyle="--", color=color,
+                     label=f"{mode}: per user")
+        ax2.plot(cs, [r["per_user_tps"] for r in rows], marker="o", color=color, label=mode)
     ax1.axhline(1.0, color="grey", linewidth=1)
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
