@@ -52,8 +52,8 @@ def chat_loaded(arch="llama"):
     return dataclasses.replace(loaded, tokenizer=ChatToyTokenizer())
 
 
-def start(loaded, spec=SpecConfig(), max_num_seqs=4, max_queued=64, curve=None):
-    engine = Engine(loaded, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=max_num_seqs, spec=spec), cost_curve=curve)
+def start(loaded, spec=SpecConfig(), max_num_seqs=4, max_queued=64, curve=None, max_len=MAX_LEN):
+    engine = Engine(loaded, EngineConfig(max_model_len=max_len, max_num_seqs=max_num_seqs, spec=spec), cost_curve=curve)
     server = serve_in_background(build_app(AsyncEngine(engine, max_queued, ServerMetrics(NAME)), NAME))
     return server, engine
 
@@ -261,19 +261,23 @@ def test_cancelled_streams_abort_and_free_the_cache(spec_server):
     assert engine.drafter is not None and engine.policy is not None
 
 
-def test_non_streaming_request_is_aborted_when_its_client_leaves(plain_server):
-    server, engine = plain_server
-    body = {"prompt": [5], "max_tokens": MAX_LEN - 2, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/completions", json=body, timeout=0.3)
-    deadline = time.monotonic() + 10
-    while engine.has_work() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not engine.has_work()
-    assert engine.cache.num_free == engine.config.max_num_seqs
-    aborted = [line for line in httpx.get(server.url.removesuffix("/v1") + "/metrics").text.splitlines()
-               if line.startswith("tandem:request_success_total") and 'finished_reason="abort"' in line]
-    assert aborted and float(aborted[0].rsplit(" ", 1)[1]) >= 1
+def test_non_streaming_request_is_aborted_when_its_client_leaves():
+    server, engine = start(chat_loaded(), max_len=8192)
+    try:
+        # ~8000 steps: far longer than the client waits, so only an abort can end it soon.
+        body = {"prompt": [5], "max_tokens": 8000, "temperature": 0, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 3  # the server polls for a gone client every 0.25 s
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not engine.has_work()
+        assert engine.cache.num_free == engine.config.max_num_seqs
+        aborted = [line for line in httpx.get(server.url.removesuffix("/v1") + "/metrics").text.splitlines()
+                   if line.startswith("tandem:request_success_total") and 'finished_reason="abort"' in line]
+        assert aborted and float(aborted[0].rsplit(" ", 1)[1]) == 1
+    finally:
+        server.stop()
 
 
 ERRORS = [
