@@ -29,6 +29,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     add_model_args(p)
     add_spec_args(p)
+    for action in p._actions:  # the shared flag, with what it means for the server
+        if action.dest == "speculative_algorithm":
+            action.help = "drafter name; default: the model's default drafter (DEFAULT_DRAFTERS); none: plain decoding"
     p.add_argument("--speculative-num-steps", type=int, default=None,
                    help="draft depth (chains draft min(steps, draft tokens)); SGLang's flag")
     p.add_argument("--speculative-eagle-topk", type=int, default=SpecConfig.eagle_topk,
