@@ -1,0 +1,48 @@
+"""The adaptive policy's cost profile: measured once (fastest of several rounds, made monotone),
+saved, and loaded on the next start without measuring again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tandem.bench.base as bench_base
+from conftest import tiny_loaded
+from tandem.server.profile import PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for, load_profile, monotone
+
+
+def test_monotone_takes_the_running_minimum_from_the_right():
+    assert monotone({1: 4.7, 2: 0.34, 4: 0.46}) == {1: 0.34, 2: 0.34, 4: 0.46}
+    assert monotone({1: 1.0, 2: 2.0, 8: 3.0}) == {1: 1.0, 2: 2.0, 8: 3.0}
+
+
+def test_measures_once_then_loads(tmp_path, monkeypatch):
+    _, loaded = tiny_loaded("llama")
+    calls = []
+
+    def fake_curve(model, repeats, sizes):
+        # Round r is slowed by another tenant at size 2 (r = 0) or everywhere (r = 1).
+        r = len(calls)
+        calls.append(sizes)
+        return {n: 0.010 * (1 + n / 8) * (3.0 if r == 1 or (r == 0 and n == 2) else 1.0) for n in sizes}
+
+    monkeypatch.setattr(bench_base, "tandem_cost_curve", fake_curve)
+    path = tmp_path / "profile.json"
+    curve = cost_curve_for(loaded, "cpu", 1, str(path))
+    assert len(calls) == PROFILE_ROUNDS and calls[0] == PROFILE_SIZES
+    assert curve(2) == pytest.approx(0.010 * 1.25)  # the undisturbed rounds' time
+    saved = json.loads(path.read_text())
+    assert saved["model"] == loaded.name and saved["threads"] == 1 and saved["sizes"] == list(PROFILE_SIZES)
+    # The next start loads the file and measures nothing.
+    assert cost_curve_for(loaded, "cpu", 1, str(path)).as_points() == curve.as_points()
+    assert len(calls) == PROFILE_ROUNDS
+    cost_curve_for(loaded, "cpu", 1, str(path), remeasure=True)
+    assert len(calls) == 2 * PROFILE_ROUNDS
+
+
+def test_a_broken_profile_says_how_to_recover(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"sizes": [1, 2], "seconds": [0.1]}')
+    with pytest.raises(ValueError, match="--reprofile"):
+        load_profile(bad)
