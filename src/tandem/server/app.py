@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.config import SamplingParams
 from tandem.server.async_engine import AsyncEngine, Delta, EngineStoppedError, Generation, QueueFullError
 from tandem.server.protocol import (
-    GREEDY_BELOW,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -195,7 +194,7 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
             seed = None if body.seed is None else (body.seed + i) % 2**64
             try:
                 choices.append(SamplingParams(
-                    temperature=0.0 if body.temperature < GREEDY_BELOW else body.temperature, top_k=max(0, body.top_k), top_p=body.top_p, min_p=body.min_p,
+                    temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p, min_p=body.min_p,
                     repetition_penalty=body.repetition_penalty, max_tokens=body.max_tokens or room,
                     seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
                 ))

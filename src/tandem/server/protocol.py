@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tandem.config import GREEDY_TEMPERATURE
+
 MAX_N = 16
-# Temperatures below this are greedy (as in vLLM): dividing logits by a denormal overflows to inf.
-GREEDY_BELOW = 1e-5
 MAX_STOP = 8
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Fields OpenAI defines that tandem does not implement: a request asking for them gets a 400
@@ -43,7 +43,7 @@ class SamplingFields(BaseModel):
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_BELOW}) = greedy")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
