@@ -35,14 +35,24 @@ def parts(arch: str = "qwen2", seed: int = 0) -> TargetParts:
 
 @functools.lru_cache(maxsize=None)
 def make_batch(arch: str = "qwen2", n: int = 6, length: int = 24, prompt_len: int = 4, seed: int = 0,
-               target_seed: int = 0) -> TrainBatch:
+               target_seed: int = 0, self_distilled: bool = False) -> TrainBatch:
     """Random sequences (the first rows shorter, so padding is exercised) with every layer's
-    hidden states (0..L) from the target; the heads learn the target's distributions on them."""
+    hidden states (0..L) from the target; the heads learn the target's distributions on them.
+    self_distilled: only the prompt is random, the target answers it greedily (as `tandem
+    train`'s data: every answer token is the target's argmax after its prefix)."""
     loaded = sharp_target(arch, target_seed)
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randint(3, loaded.config.vocab_size, (length - (b % 3),), generator=g).tolist() for b in range(n)]
     L = loaded.config.num_layers
     runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, length + 1, torch.float32))
+    if self_distilled:
+        for s in seqs:
+            full = len(s)
+            del s[prompt_len:]
+            while len(s) < full:
+                seq = runner.cache.allocate()
+                s.append(int(runner.forward([SeqInput(seq, s)]).logits[-1].argmax()))
+                runner.cache.release(seq)
     hidden = {layer: torch.zeros(n, length, loaded.config.hidden_size) for layer in range(L + 1)}
     tokens = torch.zeros(n, length, dtype=torch.long)
     mask = torch.zeros(n, length, dtype=torch.bool)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from heads_fixtures import expected_tau, make_batch, parts, train
+from tandem.drafters.heads.base import target_logits
 from tandem.drafters.heads.eagle3 import default_layers, draft_vocab_from_counts
 from tandem.drafters.heads.io import build_head
 
@@ -72,10 +73,17 @@ def test_unrolled_chain_sees_true_features_only_up_to_its_start():
 
 
 def test_overfits_a_tiny_batch_with_a_reduced_vocab():
-    p, batch = parts(), make_batch()
+    p, batch = parts(), make_batch(self_distilled=True)
     counts = torch.bincount(p.lm_head(batch.hidden[p.config.num_layers])[batch.loss_mask].argmax(-1), minlength=97)
     head = build_head("eagle3", p, token_counts=counts, draft_vocab_size=40, unroll_steps=3)
     before = head.draft_accuracy(batch, p, 3)
     losses = train(head, batch, p, steps=30, lr=3e-3)
     assert losses[-1] < losses[0] / 8
     assert expected_tau(head.draft_accuracy(batch, p, 3)) > expected_tau(before) + 1.0
+
+
+def test_target_logits_over_a_column_subset_equal_the_full_logits_sliced():
+    p, batch = parts(), make_batch()
+    hidden = batch.hidden[p.config.num_layers][batch.loss_mask]
+    columns = torch.tensor([5, 0, 96, 40])
+    assert torch.allclose(target_logits(p, hidden, columns), target_logits(p, hidden)[:, columns], atol=1e-4)

@@ -25,6 +25,15 @@ def test_shipped_record_is_complete(head_dir):
     assert sum(f.stat().st_size for f in head_dir.iterdir()) < 30 * 2**20  # kept small in the repo
 
 
+def test_shipped_heads_are_found_by_model_and_method():
+    from tandem.drafters.heads.io import shipped_head_dir
+
+    for head_dir in HEADS:
+        assert shipped_head_dir("smollm2-135m-instruct", head_dir.name) == head_dir
+    assert shipped_head_dir("smollm2-135m-instruct", "no-such-method") is None
+    assert shipped_head_dir("gemma3-270m", "eagle3") is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dir", HEADS, ids=lambda p: p.name)
 def test_shipped_drafter_is_lossless_on_the_real_model(head_dir):

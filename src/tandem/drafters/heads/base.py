@@ -260,11 +260,23 @@ def chain_rows(batch: TrainBatch, offset: int) -> tuple[torch.Tensor, torch.Tens
 
 
 @torch.no_grad()
-def target_logits(target: TargetParts, hidden: torch.Tensor) -> torch.Tensor:
-    """Target logits [N, V] for final normed hidden rows [N, H], computed in row chunks."""
+def target_logits(target: TargetParts, hidden: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """Target logits [N, V] for final normed hidden rows [N, H], computed in row chunks.
+
+    columns: only these vocabulary ids ([N, len(columns)], in that order), from the matching
+    rows of lm_head_weight: a reduced draft vocabulary costs its own size, not the target's.
+    """
+    if columns is None:
+        if not len(hidden):
+            return hidden.new_zeros(0, target.config.vocab_size)
+        return torch.cat([target.lm_head(chunk).float() for chunk in hidden.split(LOGIT_CHUNK)])
+    if target.lm_head_weight is None:
+        raise ValueError("target logits over a column subset need TargetParts.lm_head_weight (TargetParts.from_loaded)")
+    weight = target.lm_head_weight.to(hidden.device)[columns.to(hidden.device)]
+    cap = target.config.final_logit_softcap
     if not len(hidden):
-        return hidden.new_zeros(0, target.config.vocab_size)
-    return torch.cat([target.lm_head(chunk).float() for chunk in hidden.split(LOGIT_CHUNK)])
+        return hidden.new_zeros(0, len(columns))
+    return torch.cat([_softcap(F.linear(chunk.float(), weight), cap) for chunk in hidden.split(LOGIT_CHUNK)])
 
 
 @dataclass
@@ -286,11 +298,12 @@ class MaskedTargets:
 
 
 @torch.no_grad()
-def masked_targets(batch: TrainBatch, target: TargetParts) -> MaskedTargets:
+def masked_targets(batch: TrainBatch, target: TargetParts, columns: torch.Tensor | None = None) -> MaskedTargets:
+    """columns: as target_logits (logits over a reduced vocabulary only)."""
     b, t = batch.loss_mask.nonzero(as_tuple=True)
     row_of = torch.full(batch.loss_mask.shape, -1, dtype=torch.long, device=batch.loss_mask.device)
     row_of[b, t] = torch.arange(len(b), device=row_of.device)
-    return MaskedTargets(row_of, target_logits(target, batch.hidden[final_layer(target)][b, t]))
+    return MaskedTargets(row_of, target_logits(target, batch.hidden[final_layer(target)][b, t], columns))
 
 
 @torch.no_grad()

@@ -4,9 +4,10 @@ g_j = fc([h_low; h_mid; h_high] at j) (3H -> H). The draft layer's residual stre
 attention input concat(norm(embedding(x_{j+1})), norm(g_j)); the LM head sees norm(output) and
 the next chain step feeds the un-normed output back as its feature. Training unrolls the chain
 `unroll_steps` times on its own features (step weights decay^s) with soft cross-entropy to the
-target's distribution restricted to the draft vocabulary, positions whose target argmax falls
-outside it masked. The draft vocabulary (draft_ids, a buffer saved with the head) holds the
-target ids the head can propose; drafters map back and report q over the full target vocab.
+target's distribution restricted to the draft vocabulary (logits computed over those rows only),
+positions whose next token (the target's own, in self-distilled data) falls outside it masked.
+The draft vocabulary (draft_ids, a buffer saved with the head) holds the target ids the head can
+propose; drafters map back and report q over the full target vocab.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tandem.drafters.heads.base import (
     soft_cross_entropy,
 )
 from tandem.drafters.heads.block import DraftBlock
-from tandem.drafters.heads.eagle import FeatureHead
+from tandem.drafters.heads.eagle import FeatureHead, shift_left
 from tandem.model.arch import ModelConfig
 
 
@@ -148,17 +149,19 @@ class Eagle3Head(FeatureHead):
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
         hidden = batch.hidden[final_layer(target)]
         outs = self.unroll(batch, target, self.unroll_steps)
-        targets = masked_targets(batch, target)
-        draft_ids = self.draft_ids.to(hidden.device)
+        # The target's logits over the draft vocabulary only (softmax of them = its distribution
+        # restricted to the draft vocab); a position counts when the target's next token, the
+        # answer token of the self-distilled sequence, is one the head can propose.
+        targets = masked_targets(batch, target, columns=self.draft_ids)
+        next_in_vocab = self.in_draft_vocab(shift_left(batch.token_ids, 1))
         total, weights, metrics = hidden.new_zeros(()), 0.0, {}
         for s, out in enumerate(outs):
             # Step s of the chain starting at j is graded at position j + 1 + s (see unroll).
             b, j = torch.nonzero(batch.loss_mask[:, 1 + s :], as_tuple=True)
             if not len(b):
                 continue
-            full = targets.rows(b, j + 1 + s)
-            valid = self.in_draft_vocab(full.argmax(-1))
-            p = torch.softmax(full[:, draft_ids], dim=-1)
+            valid = next_in_vocab[b, j + 1 + s]
+            p = torch.softmax(targets.rows(b, j + 1 + s), dim=-1)
             logits = self.head_logits(out[b, j], target)
             step_loss = masked_mean(soft_cross_entropy(logits, p), valid)
             w = self.step_decay**s

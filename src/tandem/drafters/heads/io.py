@@ -28,6 +28,16 @@ SIGNATURE_KEY = "__target_signature__"
 SIGNATURE_MIN_COSINE = 0.98
 
 
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "shipped"
+
+
+def shipped_head_dir(model_name: str, method: str) -> Path | None:
+    """The head tandem ships for a built-in model and method (drafters/shipped/<model>/<method>),
+    None when there is none: a trained-head drafter without --speculative-draft-model-path uses it."""
+    path = SHIPPED_DIR / model_name / method
+    return path if (path / CONFIG_FILE).exists() else None
+
+
 def build_head(method: str, target: TargetParts, **options) -> DraftHead:
     """A fresh, trainable head of `method` for `target` (options: the method's constructor args)."""
     head = head_class(method).build(target, **options)

@@ -13,7 +13,7 @@ import torch
 
 from tandem.config import SpecConfig
 from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
-from tandem.drafters.heads.io import load_head, read_head_config
+from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir
 from tandem.sampling import NonFiniteLogitsError, processed_probs, sample
 
 
@@ -23,23 +23,24 @@ class HeadDrafter(Drafter):
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
         super().__init__(spec, target)
         name = self.method_name
-        if not spec.draft_model_path:
-            raise ValueError(
-                f"the {name} drafter serves a trained head: set speculative_draft_model_path "
-                f"(--speculative-draft-model-path) to a directory made by `tandem train --method {name}`"
-            )
         if target.parts is None:
             raise ValueError(
                 f"the {name} drafter needs the target's embedding and LM head: build its TargetInfo "
                 "with TargetInfo.of(loaded, ...)"
             )
-        method = read_head_config(spec.draft_model_path)["method"]
-        if method != name:
+        path = spec.draft_model_path or shipped_head_dir(target.parts.model_name, name)
+        if path is None:
             raise ValueError(
-                f"{spec.draft_model_path} holds a {method} head; serve it with --speculative-algorithm {method}"
+                f"the {name} drafter serves a trained head and tandem ships none for {target.parts.model_name}: "
+                f"set speculative_draft_model_path (--speculative-draft-model-path) to a directory made by "
+                f"`tandem train --method {name}`"
             )
+        method = read_head_config(path)["method"]
+        if method != name:
+            raise ValueError(f"{path} holds a {method} head; serve it with --speculative-algorithm {method}")
         self.parts = target.parts
-        self.head = load_head(spec.draft_model_path, target.parts, target.device).requires_grad_(False)
+        self.head_path = str(path)
+        self.head = load_head(path, target.parts, target.device).requires_grad_(False)
         self.needs = DrafterNeeds(tuple(self.head.serving_layers))
         self.device = torch.device(target.device)
         draft_ids = getattr(self.head, "draft_ids", None)
