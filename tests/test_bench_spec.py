@@ -12,17 +12,9 @@ import pytest
 import torch
 
 from conftest import build_tiny, tiny_hf_config, tiny_loaded
-from tandem.bench.spec import (
-    OVERALL,
-    Baselines,
-    DraftProfile,
-    Method,
-    SpecCase,
-    parse_methods,
-    print_identity,
-    print_table,
-    run_spec_bench,
-)
+from tandem.bench.spec import OVERALL, DraftProfile, Method, SpecCase, parse_methods, run_spec_bench
+from tandem.bench.spec_hf import Baselines
+from tandem.bench.spec_report import print_identity, print_table
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -246,7 +238,7 @@ def test_bench_spec_command_writes_json_and_plots(tiny_dirs, tmp_path, capsys, m
 
 
 def test_assistant_not_applicable_is_explained():
-    from tandem.bench.spec import pick_assistant
+    from tandem.bench.spec_hf import pick_assistant
 
     smollm2_tokenizer()
     name, why = pick_assistant("smollm2-135m-instruct", "auto")

@@ -70,7 +70,7 @@ def _run_base(args: argparse.Namespace) -> int:
 
 
 def _run_spec(args: argparse.Namespace) -> int:
-    from tandem.bench.spec import bench_spec
+    from tandem.bench.spec_report import bench_spec
     from tandem.llm import configure_threads
 
     configure_threads(args.threads)
