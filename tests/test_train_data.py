@@ -167,6 +167,19 @@ def test_capture_matches_a_direct_forward_and_resumes(tmp_path):
             torch.testing.assert_close(batch.hidden[L][b, :n], ref[-1][0], atol=1e-4, rtol=1e-4)
             assert not batch.hidden[L][b, n:].any()
         seen += len(idx)
+    # Cropped prompts: the last 2 prompt tokens stay before each answer, rows otherwise the same.
+    cropped = CapturedData(paths, layers, max_prompt_context=2)
+    batch = cropped.batch(0, [0, 1])
+    for b in range(2):
+        s = seqs[b]
+        drop = max(0, s.prompt_len - 2)
+        n = len(s.token_ids) - drop
+        assert batch.lengths[b] == n and batch.token_ids[b, :n].tolist() == s.token_ids[drop:]
+        assert batch.loss_mask[b].nonzero().flatten().tolist() == list(range(min(s.prompt_len, 2) - 1, n - 1))
+        full = data.batch(0, [b])
+        torch.testing.assert_close(batch.hidden[L][b, :n], full.hidden[L][0, drop : drop + n])
+    with pytest.raises(ValueError, match="max_prompt_context"):
+        CapturedData(paths, layers, max_prompt_context=0)
     before = [p.stat().st_mtime_ns for p in paths]
     paths[1].unlink()
     again = capture(loaded, seqs, tmp_path / "cap", layers, shard_size=2, batch_size=3, store_dtype=torch.float32)

@@ -45,6 +45,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--max-minutes", type=float, default=None, help="wall-time budget of this run (then checkpoint)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
+    p.add_argument("--max-prompt-context", type=int, default=128,
+                   help="prompt tokens kept before each answer in training batches (the loss is on answers; "
+                        "long prompts would pad every row of their batch); 0 = the whole prompt")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
@@ -159,7 +162,8 @@ def cmd_train(args) -> int:
     held_paths = capture(capture_model, sequences(held_records), cap_dir / "held_out", cap_layers, desc="capture (held out)")
     capture_model_quant, capture_model_dtype = capture_model.quantization, str(capture_model.dtype).removeprefix("torch.")
     del capture_model
-    data, held = CapturedData(train_paths, layers), CapturedData(held_paths, layers)
+    context = args.max_prompt_context or None
+    data, held = CapturedData(train_paths, layers, context), CapturedData(held_paths, layers, context)
 
     # 3. Optimise, evaluate, export.
     result = train(head, target, data, held, cfg, args.out, resume=args.resume)
@@ -178,7 +182,7 @@ def cmd_train(args) -> int:
             "hidden_layers": list(layers),
             "capture": {"quantization": capture_model_quant, "dtype": capture_model_dtype},
         },
-        "training": {**asdict(cfg), "steps_done": result.step, "finished": result.finished,
+        "training": {**asdict(cfg), "max_prompt_context": context, "steps_done": result.step, "finished": result.finished,
                      "train_seconds": round(result.seconds, 1), "last_loss": result.last_loss},
         "held_out": asdict(result.eval) if result.eval else None,
         "command_seconds": round(time.perf_counter() - t_start, 1),

@@ -326,9 +326,14 @@ class CapturedData:
     uninterrupted run would have seen from the same step on.
     """
 
-    def __init__(self, paths: list[Path], layers: tuple[int, ...]) -> None:
+    def __init__(self, paths: list[Path], layers: tuple[int, ...], max_prompt_context: int | None = None) -> None:
+        """max_prompt_context: keep only the last N prompt tokens of each sequence in its batch rows
+        (the loss is on answer tokens; a long prompt would otherwise pad every row of its batch)."""
         from safetensors import safe_open
 
+        if max_prompt_context is not None and max_prompt_context < 1:
+            raise ValueError(f"max_prompt_context must be >= 1, got {max_prompt_context}")
+        self.max_prompt_context = max_prompt_context
         if not paths:
             raise ValueError("no captured shards: the training set is empty (no prompt got an answer)")
         self.paths, self.layers = list(paths), tuple(layers)
@@ -375,6 +380,9 @@ class CapturedData:
         data = self._shard(shard)
         offsets, prompt_lens = data["offsets"], data["prompt_lens"]
         spans = [(int(offsets[i]), int(offsets[i + 1]), int(prompt_lens[i])) for i in indices]
+        if self.max_prompt_context is not None:  # drop the prompt's head (positions are relative)
+            keep = self.max_prompt_context
+            spans = [(lo + max(0, p - keep), hi, min(p, keep)) for lo, hi, p in spans]
         B, T = len(spans), max(hi - lo for lo, hi, _ in spans)
         token_ids = torch.zeros(B, T, dtype=torch.long)
         loss_mask = torch.zeros(B, T, dtype=torch.bool)
