@@ -115,6 +115,21 @@ def test_wrong_target_is_refused(variant, saved):
         LLM.from_loaded(tiny_loaded("llama")[1], EngineConfig(spec=SpecConfig(METHODS[variant][0], 3, str(saved(variant)))))
 
 
+@pytest.mark.parametrize("variant", [v for v in METHODS if METHODS[v][0] != "draft_model"])
+def test_served_heads_run_their_linears_on_the_block_kernels(variant, saved):
+    """Drafting reads the head's weights one row at a time: on a CPU with the block kernels they
+    are served as 8-bit blocks (the trained fp32 module is what `load_head` returns)."""
+    from tandem.model.kernels import block_kernels
+    from tandem.model.quant import BlockQ8Linear
+
+    if block_kernels() is None:
+        pytest.skip("needs an AVX2 CPU and g++")
+    head = make_llm(variant, saved(variant)).engine.drafter.head
+    linears = [m for m in head.modules() if isinstance(m, (torch.nn.Linear, BlockQ8Linear))]
+    assert linears and all(isinstance(m, BlockQ8Linear) for m in linears)
+    assert any(isinstance(m, torch.nn.Linear) for m in load_head(saved(variant), parts()).modules())
+
+
 def test_construction_errors(saved):
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         make_llm("medusa", None)

@@ -166,3 +166,78 @@ def test_models_with_qk_norm_or_sandwich_norms_stay_on_the_general_path():
     for arch in ("qwen3", "gemma3"):
         _, model = block_model(arch)
         assert not fused_eligible(model)
+
+
+@pytest.mark.parametrize("kind", [BlockQ4Linear, BlockQ8Linear])
+def test_prefill_kernel_is_the_fp32_matmul_of_the_dequantised_weights(kind):
+    """The prefill path: no activation rounding, fp32 accumulation; transforms, bias and residual
+    as in the integer path; every row independent of the others bit for bit."""
+    torch.manual_seed(5)
+    k = block_kernels()
+    layer = kind.quantize(torch.randn(70, 64), torch.randn(70))
+    m = getattr(layer, "m", None)
+    W = layer.dequantize()
+    x, w = torch.randn(37, 64), torch.rand(64) + 0.5
+    got = k.linear(x, layer.qs, layer.d, m, layer.bias, prefill=True)
+    torch.testing.assert_close(got, F.linear(x, W, layer.bias), atol=1e-5, rtol=1e-5)
+    alone = torch.cat([k.linear(x[i : i + 1], layer.qs, layer.d, m, layer.bias, prefill=True) for i in range(37)])
+    assert torch.equal(alone, got)
+    normed = k.linear(x, layer.qs, layer.d, m, transform=RMS_NORM, norm_weight=w, eps=1e-6, prefill=True)
+    torch.testing.assert_close(normed, F.linear(F.rms_norm(x, (64,), w, 1e-6), W), atol=1e-4, rtol=1e-4)
+    gate_up = torch.randn(37, 128)
+    glu = k.linear(gate_up, layer.qs, layer.d, m, transform=SWIGLU, prefill=True)
+    torch.testing.assert_close(glu, F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], W), atol=1e-4, rtol=1e-4)
+    residual = torch.randn(37, 70)
+    expected = F.linear(x, W) + residual
+    k.linear(x, layer.qs, layer.d, m, residual=residual, out=residual, prefill=True)
+    torch.testing.assert_close(residual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefill_rows_do_not_depend_on_the_batch_and_decoding_stays_bitwise(arch):
+    """Prompts flagged prefill run on the prefill kernels: each prompt's numbers are the same
+    alone or batched with others (of other lengths), close to the decode kernels' numbers, and a
+    verification forward after such a prefill still reproduces one-token decoding bit for bit."""
+    _, model = block_model(arch)
+    long, short = list(range(10, 50)), list(range(60, 72))
+    alone = runner_for(model)
+    ref = alone.forward([SeqInput(alone.cache.allocate(), long, logits="all", prefill=True)], hidden_layers=(1,))
+    batched = runner_for(model)
+    seq, other = batched.cache.allocate(), batched.cache.allocate()
+    out = batched.forward([SeqInput(other, short, prefill=True), SeqInput(seq, long, logits="all", prefill=True)],
+                          hidden_layers=(1,))
+    assert torch.equal(out.rows(1), ref.logits) and torch.equal(out.hidden[1][1], ref.hidden[1][0])
+    decode_kernels = runner_for(model)
+    unflagged = decode_kernels.forward([SeqInput(decode_kernels.cache.allocate(), long, logits="all")])
+    assert not torch.equal(unflagged.logits, ref.logits)  # the prefill path really ran
+    torch.testing.assert_close(unflagged.logits, ref.logits, atol=0.1, rtol=0.05)
+
+    new = [40, 41, 42, 43, 44]
+    step = torch.cat([batched.forward([SeqInput(seq, [t])]).logits for t in new])
+    verify = runner_for(model)
+    s1 = verify.cache.allocate()
+    verify.forward([SeqInput(s1, long, prefill=True)])
+    out = verify.forward([SeqInput(s1, new, logits="all")], token_by_token=True)
+    assert torch.equal(out.logits, step)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_speculative_greedy_output_equals_plain_on_block_kernels_with_long_prompts(arch):
+    """End to end through the engine: prompts past the fused path's length (prefill kernels),
+    batched, greedy; speculative output equals plain output token for token."""
+    from conftest import ToyTokenizer
+    from tandem.config import EngineConfig, SamplingParams, SpecConfig
+    from tandem.llm import LLM
+    from tandem.model.loader import LoadedModel
+
+    _, model = block_model(arch)
+    loaded = LoadedModel(model, ToyTokenizer(), model.cfg, f"block-{arch}", torch.float32, "int4", "block")
+    prompts = [[5, 6, 7, 8] * 12, list(range(20, 60)), [9, 10, 11] * 3]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = LLM.from_loaded(loaded, EngineConfig(max_model_len=128))
+    spec = LLM.from_loaded(loaded, EngineConfig(max_model_len=128, spec=SpecConfig("ngram", 4)))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    alone = [spec.generate([p], params)[0].token_ids for p in prompts]
+    assert alone == want

@@ -7,6 +7,8 @@ activations, the dtype their CPU kernels are fast in, and return bf16.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import warnings
 
@@ -269,6 +271,34 @@ def _block_kernels():
     return block_kernels()
 
 
+# Which rows of the block linears' inputs are prompt tokens (a bool mask over the flattened rows),
+# set by the runner around a forward: those rows may take the kernels' prefill path. The mask only
+# applies to inputs with exactly that many rows (the LM head over selected rows keeps the decode path).
+_PREFILL_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("prefill_rows", default=None)
+
+
+@contextlib.contextmanager
+def prefill_rows(mask: torch.Tensor):
+    """Within the block, block linears run the rows where `mask` is True through the prefill kernel."""
+    token = _PREFILL_ROWS.set(mask)
+    try:
+        yield
+    finally:
+        _PREFILL_ROWS.reset(token)
+
+
+def _block_matmul(kernels, x2: torch.Tensor, matmul) -> torch.Tensor:
+    mask = _PREFILL_ROWS.get()
+    if mask is None or mask.shape[0] != x2.shape[0] or not bool(mask.any()):
+        return matmul(kernels, x2, False)
+    if bool(mask.all()):
+        return matmul(kernels, x2, True)
+    dense, other = matmul(kernels, x2[mask].contiguous(), True), matmul(kernels, x2[~mask].contiguous(), False)
+    y = dense.new_empty(x2.shape[0], dense.shape[1])
+    y[mask], y[~mask] = dense, other
+    return y
+
+
 def _block_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     """[..., in] -> [..., out] float32 through tandem's block kernel (CPU) or, elsewhere or
     without the compiled kernel, the dequantised weight with F.linear."""
@@ -278,7 +308,7 @@ def _block_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     x2 = x.reshape(-1, layer.in_features).float().contiguous()
     kernels = _block_kernels() if x2.device.type == "cpu" else None
     if kernels is not None:
-        y = matmul(kernels, x2)
+        y = _block_matmul(kernels, x2, matmul)
     else:
         if x2.device.type != "cpu":
             _warn_fallback_once(type(layer).__name__, x2.device)
@@ -343,7 +373,7 @@ class BlockQ4Linear(nn.Module):
         return (q * self.d[..., None] + self.m[..., None]).reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_forward(self, x, lambda k, x2: k.q4_matmul(x2, self.qs, self.d, self.m))
+        return _block_forward(self, x, lambda k, x2, prefill: k.q4_matmul(x2, self.qs, self.d, self.m, prefill))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -384,7 +414,7 @@ class BlockQ8Linear(nn.Module):
         return (q * self.d[..., None]).reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_forward(self, x, lambda k, x2: k.q8_matmul(x2, self.qs, self.d))
+        return _block_forward(self, x, lambda k, x2, prefill: k.q8_matmul(x2, self.qs, self.d, prefill))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -6,11 +6,13 @@ new tokens need logits and which layers' hidden states it wants; nothing is impl
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem.model.kv_cache import KVCache
+from tandem.model.quant import prefill_rows
 from tandem.model.fused import FUSED_MAX_TOKENS, FusedDecoder
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
 
@@ -23,7 +25,10 @@ class SeqInput:
     index of t's parent among the new tokens (-1 = hangs off the committed prefix), parents
     before children. positions default to consecutive positions after the committed prefix
     (trees: give prefix_len + depth; siblings share a position). logits: which new-token
-    indices need logits ("last", "all", or a list).
+    indices need logits ("last", "all", or a list). prefill: the tokens are a prompt's, which
+    every run computes the same way, so they may take the block kernels' prefill path (fp32
+    over dequantized weights: fast for many rows, other numbers than decoding's). Decoded and
+    verified tokens never set it: their numbers must match each other's bit for bit.
     """
 
     seq: int
@@ -31,6 +36,7 @@ class SeqInput:
     positions: list[int] | None = None
     parents: list[int] | None = None
     logits: str | list[int] = "last"
+    prefill: bool = False
 
     def logit_indices(self) -> list[int]:
         if self.logits == "last":
@@ -93,13 +99,14 @@ class ModelRunner:
         for inp in inputs:
             if not inp.token_ids:
                 raise ValueError(f"sequence {inp.seq} has no new tokens")
-        model, cache = self.model, self.cache
-        B = len(inputs)
         T = max(len(i.token_ids) for i in inputs)
         if self.fused is not None and all(
-            i.parents is None and i.positions is None and len(i.token_ids) <= FUSED_MAX_TOKENS for i in inputs
+            i.parents is None and i.positions is None and len(i.token_ids) <= FUSED_MAX_TOKENS and not i.prefill
+            for i in inputs
         ):
             return self._forward_fused(inputs, hidden_layers)
+        model, cache = self.model, self.cache
+        B = len(inputs)
         starts = [cache.reserve(i.seq, len(i.token_ids)) for i in inputs]
         try:
             plan, tokens, positions = self._plan(inputs, starts, T, token_by_token)
@@ -110,10 +117,14 @@ class ModelRunner:
         x = model.embed_tokens(tokens)
         L = model.cfg.num_layers
         hidden: dict[int, list[torch.Tensor]] = {}
-        for li, layer in enumerate(model.layers):
-            x = layer(x, plan, cache.layers[li])
-            if li in hidden_layers:
-                hidden[li] = [x[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
+        # Prompt rows (whole rows of the padded [B, T] layout) take the prefill kernels in the
+        # decoder layers; the LM head keeps the decode kernels.
+        prefill = torch.tensor([i.prefill for i in inputs]).repeat_interleave(T) if any(i.prefill for i in inputs) else None
+        with prefill_rows(prefill) if prefill is not None else contextlib.nullcontext():
+            for li, layer in enumerate(model.layers):
+                x = layer(x, plan, cache.layers[li])
+                if li in hidden_layers:
+                    hidden[li] = [x[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
         rows, offsets = [], [0]
         for b, inp in enumerate(inputs):
             idx = inp.logit_indices()

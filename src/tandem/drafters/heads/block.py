@@ -175,7 +175,7 @@ class DraftBlock(nn.Module):
     # ---- drafting ------------------------------------------------------------------------------
 
     def new_cache(self, device: torch.device, origin: int = 0) -> RowCache:
-        return RowCache(self.kv_heads, self.head_dim, self.qkv.weight.dtype, device, origin=origin)
+        return RowCache(self.kv_heads, self.head_dim, self.mlp_norm.weight.dtype, device, origin=origin)
 
     def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache], gap: int = 1) -> torch.Tensor:
         """R requests, t new tokens each: x [R, t, H], attn_in [R, t, Din], positions [R, t].

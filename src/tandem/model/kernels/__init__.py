@@ -70,18 +70,24 @@ class BlockKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._q4 = lib.tandem_q4_linear
         self._q8 = lib.tandem_q8_linear
+        self._q4_dense = lib.tandem_q4_linear_dense
+        self._q8_dense = lib.tandem_q8_linear_dense
         self._attend = lib.tandem_attend
-        for fn, args in ((self._q4, _LinearArgs), (self._q8, _LinearArgs), (self._attend, _AttendArgs)):
+        for fn, args in ((self._q4, _LinearArgs), (self._q8, _LinearArgs), (self._q4_dense, _LinearArgs),
+                         (self._q8_dense, _LinearArgs), (self._attend, _AttendArgs)):
             fn.argtypes = [ctypes.POINTER(args)]
             fn.restype = None
 
     def linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                bias: torch.Tensor | None = None, *, transform: int = IDENTITY, norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0, residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               eps: float = 0.0, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               prefill: bool = False) -> torch.Tensor:
         """transform(x [n, *]) @ W^T (+ bias) (+ residual) -> [n, N], W in q4 blocks (m given) or q8.
 
         transform RMS_NORM needs norm_weight [K]; SWIGLU/GEGLU read rows of width 2K (gate | up).
-        out may be the residual tensor itself (an in-place residual add).
+        out may be the residual tensor itself (an in-place residual add). prefill: the fp32 path
+        for many rows (weights dequantized per chunk, no activation rounding; other numbers than
+        the integer path's, equally row-independent): for prompt tokens only.
         """
         n, width = x.shape
         K = qs.shape[1] * 2 if m is not None else qs.shape[1]
@@ -94,14 +100,18 @@ class BlockKernels:
             _ptr(x), n, K, width, transform, _ptr(norm_weight), eps, _ptr(qs), _ptr(d), _ptr(m), N,
             _ptr(bias), _ptr(residual), _ptr(y), torch.get_num_threads(),
         )
-        (self._q4 if m is not None else self._q8)(ctypes.byref(args))
+        if prefill:
+            (self._q4_dense if m is not None else self._q8_dense)(ctypes.byref(args))
+        else:
+            (self._q4 if m is not None else self._q8)(ctypes.byref(args))
         return y
 
-    def q4_matmul(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, qs, d, m)
+    def q4_matmul(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                  prefill: bool = False) -> torch.Tensor:
+        return self.linear(x, qs, d, m, prefill=prefill)
 
-    def q8_matmul(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, qs, d, None)
+    def q8_matmul(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        return self.linear(x, qs, d, None, prefill=prefill)
 
     def attend(self, qkv: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, window: int | None,

@@ -234,6 +234,106 @@ void block_matmul(const LinearArgs& a) {
   }
 }
 
+// ---- prefill: fp32 weights dequantized per chunk, fp32 activations ----------------------------
+//
+// Prompt rows come many at a time; for them the integer path above spends more instructions per
+// multiply than plain fp32 FMAs over weights dequantized once per chunk and reused by every row.
+// Each output element is one 8-lane FMA chain over k in order, then hsum: the same arithmetic for
+// every tile shape, so row i still does not depend on the other rows (nor on the thread count).
+// The numbers differ from the integer path's (no activation rounding): callers use this for
+// prompt tokens only, which every run computes the same way.
+
+constexpr int64_t kDenseChunk = 64;  // weight rows dequantized at a time (64 x K fp32 fits L2)
+
+template <bool kQ4>
+void dequantize_rows(const LinearArgs& a, int64_t r0, int64_t rows, float* out) {
+  const int64_t K = a.K, nb = K / kBlock;
+  for (int64_t r = r0; r < r0 + rows; ++r) {
+    float* dst = out + (r - r0) * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = a.d[r * nb + b];
+      if constexpr (kQ4) {
+        const float m = a.m[r * nb + b];
+        const uint8_t* q = static_cast<const uint8_t*>(a.qs) + r * (K / 2) + b * (kBlock / 2);
+        for (int j = 0; j < kBlock / 2; ++j) {
+          dst[b * kBlock + j] = d * static_cast<float>(q[j] & 0x0F) + m;
+          dst[b * kBlock + j + kBlock / 2] = d * static_cast<float>(q[j] >> 4) + m;
+        }
+      } else {
+        const int8_t* q = static_cast<const int8_t*>(a.qs) + r * K + b * kBlock;
+        for (int j = 0; j < kBlock; ++j) dst[b * kBlock + j] = d * static_cast<float>(q[j]);
+      }
+    }
+  }
+}
+
+// WR weight rows x IR activation rows, accumulators in registers.
+template <int WR, int IR>
+inline void dense_tile(const float* w, const float* x, int64_t K, float* sums) {
+  __m256 acc[WR][IR];
+  for (int j = 0; j < WR; ++j)
+    for (int i = 0; i < IR; ++i) acc[j][i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xv[IR];
+    for (int i = 0; i < IR; ++i) xv[i] = _mm256_loadu_ps(x + i * K + k);
+    for (int j = 0; j < WR; ++j) {
+      const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+      for (int i = 0; i < IR; ++i) acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
+    }
+  }
+  for (int j = 0; j < WR; ++j)
+    for (int i = 0; i < IR; ++i) sums[j * IR + i] = hsum(acc[j][i]);
+}
+
+template <int WR>
+inline void dense_rows(const float* w, const float* x, int64_t K, int64_t ir, float* sums) {
+  switch (ir) {
+    case 1: dense_tile<WR, 1>(w, x, K, sums); break;
+    case 2: dense_tile<WR, 2>(w, x, K, sums); break;
+    case 3: dense_tile<WR, 3>(w, x, K, sums); break;
+    default: dense_tile<WR, 4>(w, x, K, sums); break;
+  }
+}
+
+template <bool kQ4>
+void dense_matmul(const LinearArgs& a) {
+  const int64_t n = a.n, K = a.K, N = a.N;
+  std::vector<float> rows;
+  const float* X = a.x;
+  if (a.transform != kIdentity || a.x_stride != K) {
+    transform_rows(a.x, n, K, a.x_stride, a.transform, a.norm_w, a.eps, rows);
+    X = rows.data();
+  }
+  const int64_t chunks = (N + kDenseChunk - 1) / kDenseChunk;
+#pragma omp parallel num_threads(a.threads)
+  {
+    std::vector<float> w(kDenseChunk * K);
+    float sums[2 * 4];
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = c * kDenseChunk, wrows = std::min(kDenseChunk, N - r0);
+      dequantize_rows<kQ4>(a, r0, wrows, w.data());
+      for (int64_t i0 = 0; i0 < n; i0 += 4) {
+        const int64_t ir = std::min<int64_t>(4, n - i0);
+        for (int64_t j0 = 0; j0 < wrows; j0 += 2) {
+          const int64_t wr = std::min<int64_t>(2, wrows - j0);
+          if (wr == 2) dense_rows<2>(w.data() + j0 * K, X + i0 * K, K, ir, sums);
+          else dense_rows<1>(w.data() + j0 * K, X + i0 * K, K, ir, sums);
+          for (int64_t j = 0; j < wr; ++j) {
+            const int64_t r = r0 + j0 + j;
+            for (int64_t i = 0; i < ir; ++i) {
+              float v = sums[j * ir + i];
+              if (a.bias) v += a.bias[r];
+              if (a.residual) v += a.residual[(i0 + i) * N + r];
+              a.y[(i0 + i) * N + r] = v;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // One query token per call row: RoPE on its q and k, k/v written to the cache, attention over
 // the cache slots [lo, slot] of its sequence, in a fixed order per token (so a token's output
 // does not depend on the other tokens in the call).
@@ -324,5 +424,7 @@ extern "C" {
 
 void tandem_q4_linear(const LinearArgs* a) { block_matmul<true>(*a); }
 void tandem_q8_linear(const LinearArgs* a) { block_matmul<false>(*a); }
+void tandem_q4_linear_dense(const LinearArgs* a) { dense_matmul<true>(*a); }
+void tandem_q8_linear_dense(const LinearArgs* a) { dense_matmul<false>(*a); }
 void tandem_attend(const AttendArgs* a) { attend(*a); }
 }
