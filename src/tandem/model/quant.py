@@ -272,8 +272,8 @@ def _block_kernels():
 
 
 # Which rows of the block linears' inputs are prompt tokens (a bool mask over the flattened rows),
-# set by the runner around a forward: those rows may take the kernels' prefill path. The mask only
-# applies to inputs with exactly that many rows (the LM head over selected rows keeps the decode path).
+# set by the runner around its decoder layers: those rows may take the kernels' prefill path. The
+# mask only applies to inputs with exactly that many rows.
 _PREFILL_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("prefill_rows", default=None)
 
 

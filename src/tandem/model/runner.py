@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.model.fused import FUSED_MAX_TOKENS, FusedDecoder
 from tandem.model.kv_cache import KVCache
 from tandem.model.quant import prefill_rows
-from tandem.model.fused import FUSED_MAX_TOKENS, FusedDecoder
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
 
 
