@@ -67,3 +67,5 @@ def test_train_cli_reports_bad_input(tiny_target, tmp_path, capsys):
     assert "KEY=VALUE" in capsys.readouterr().err
     assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--resume")) == 2
     assert "no checkpoint" in capsys.readouterr().err
+    assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--max-prompt-context", "-1")) == 2
+    assert "--max-prompt-context" in capsys.readouterr().err

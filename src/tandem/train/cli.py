@@ -123,6 +123,8 @@ def cmd_train(args) -> int:
         eval_k=args.eval_k, max_minutes=args.max_minutes, seed=args.seed, device=args.device,
     )
     options = method_options(args)
+    if args.max_prompt_context < 0:
+        raise ValueError(f"--max-prompt-context must be >= 0 (0 = the whole prompt), got {args.max_prompt_context}")
     if args.resume and not (Path(args.out) / CHECKPOINT).exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
     files = [Path(f) for f in args.prompts] if args.prompts else default_prompt_files()

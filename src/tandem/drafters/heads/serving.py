@@ -60,7 +60,6 @@ class HeadDrafter(Drafter):
         if method != name:
             raise ValueError(f"{path} holds a {method} head; serve it with --speculative-algorithm {method}")
         self.parts = target.parts
-        self.head_path = str(path)
         self.head = serving_kernels(load_head(path, target.parts, target.device).requires_grad_(False))
         self.needs = DrafterNeeds(tuple(self.head.serving_layers))
         self.device = torch.device(target.device)
