@@ -137,6 +137,98 @@ def test_printing(report, capsys):
     assert "summarization" in out and OVERALL in out and "ngram 0/3" in out and "hf assisted" in out
 
 
+def split_by_subtask(report: dict) -> list[dict]:
+    """The report as the per-subtask runs `--categories` would have written (a one-subtask run's
+    overall row is its subtask row)."""
+    parts = []
+    for cat in (c for c in report["categories"] if c != OVERALL):
+        idx = [i for i, p in enumerate(report["prompts"]) if p["category"] == cat]
+        part = {k: v for k, v in report.items() if k not in ("categories", "prompts", "identity", "identity_transformers")}
+        part.update(num_prompts=len(idx), categories={cat: report["categories"][cat], OVERALL: report["categories"][cat]},
+                    prompts=[report["prompts"][i] for i in idx])
+        for key in ("identity", "identity_transformers"):
+            part[key] = {name: {"mismatches": sum(d["category"] == cat for d in v["details"]), "prompts": len(idx),
+                                "details": [{**d, "index": idx.index(d["index"])} for d in v["details"] if d["category"] == cat]}
+                         for name, v in report[key].items()}
+        parts.append(json.loads(json.dumps(part)))  # as read back from the --json files
+    return parts
+
+
+@pytest.mark.parametrize("older_reports", [False, True])
+def test_merging_subtask_runs_reproduces_the_overall_row(report, older_reports):
+    from tandem.bench.spec_merge import merge_spec_reports
+
+    parts = split_by_subtask(report)
+    assert len(parts) == 2
+    if older_reports:  # written before the counters carried num_committed_tokens
+        for part in parts:
+            for row in part["categories"][OVERALL]["tandem"].values():
+                del row["spec"]["num_committed_tokens"]
+    merged = merge_spec_reports(parts)
+    assert list(merged["categories"]) == ["summarization", "qa", OVERALL]
+    assert merged["num_prompts"] == len(CASES) and merged["prompts"] == report["prompts"]
+    want, got = report["categories"][OVERALL], merged["categories"][OVERALL]
+    for side in ("tandem", "transformers"):
+        assert list(got[side]) == list(want[side])
+        for name, w in want[side].items():
+            g = got[side][name]
+            assert g["tokens"] == w["tokens"]
+            assert g["tokens_per_second"] == pytest.approx(w["tokens_per_second"], rel=1e-2)  # seconds are stored rounded
+            if "speedup" in w:
+                assert g["speedup"] == pytest.approx(w["speedup"], rel=2e-2)
+            if "spec" in w:
+                assert g["tau"] == pytest.approx(w["tau"]) and g["acceptance_rate"] == pytest.approx(w["acceptance_rate"])
+                assert g["acceptance_per_position"] == pytest.approx(w["acceptance_per_position"])
+                assert g["accepted_per_position"] == w["accepted_per_position"]
+            if "draft" in w:
+                assert g["drafted_acceptance"] == pytest.approx(w["drafted_acceptance"])
+                assert {k: v for k, v in g["draft"].items() if k != "seconds"} == \
+                    {k: v for k, v in w["draft"].items() if k != "seconds"}
+    assert got["transformers"]["plain"]["vs_tandem_plain"] == pytest.approx(
+        want["transformers"]["plain"]["vs_tandem_plain"], rel=2e-2)
+    for key in ("identity", "identity_transformers"):
+        assert {n: (v["mismatches"], v["prompts"]) for n, v in merged[key].items()} == \
+            {n: (v["mismatches"], v["prompts"]) for n, v in report[key].items()}
+    assert [m["subtasks"] for m in merged["merged_from"]] == [["summarization"], ["qa"]]
+
+
+def test_merge_rejects_overlapping_or_different_runs(report):
+    from tandem.bench.spec_merge import merge_spec_reports
+
+    a, b = split_by_subtask(report)
+    with pytest.raises(ValueError, match="summarization is in both"):
+        merge_spec_reports([a, a], ["a.json", "again.json"])
+    with pytest.raises(ValueError, match="num_draft_tokens differs"):
+        merge_spec_reports([a, {**b, "num_draft_tokens": 7}])
+    fewer = json.loads(json.dumps(b))
+    del fewer["categories"][OVERALL]["tandem"]["suffix"]
+    with pytest.raises(ValueError, match="different configurations"):
+        merge_spec_reports([a, fewer])
+    with pytest.raises(ValueError, match="no overall row"):
+        merge_spec_reports([a, {**b, "categories": {}}])
+    with pytest.raises(ValueError, match="no reports"):
+        merge_spec_reports([])
+
+
+def test_spec_merge_command(report, tmp_path, capsys):
+    from tandem.cli import main
+
+    files = []
+    for i, part in enumerate(split_by_subtask(report)):
+        files.append(tmp_path / f"part{i}.json")
+        files[-1].write_text(json.dumps(part))
+    out_json, plots = tmp_path / "merged.json", tmp_path / "plots"
+    assert main(["bench", "spec-merge", *map(str, files), "--json", str(out_json), "--plots", str(plots)]) == 0
+    merged = json.loads(out_json.read_text())
+    assert merged["categories"][OVERALL]["num_prompts"] == len(CASES)
+    assert sorted(p.name for p in plots.iterdir()) == ["acceptance_per_position.png", "speedup_by_subtask.png",
+                                                         "tau_vs_draft_length.png"]
+    out = capsys.readouterr().out
+    assert "merged 2 reports" in out and "greedy identity" in out
+    assert main(["bench", "spec-merge", str(tmp_path / "missing.json"), "--json", ""]) == 2
+    assert "no such report" in capsys.readouterr().err
+
+
 def test_parse_methods():
     assert parse_methods(["ngram,suffix", "draft_model=/x/tiny-draft"]) == [
         Method("ngram"), Method("suffix"), Method("draft_model", "/x/tiny-draft")]

@@ -108,3 +108,71 @@ def test_reduced_vocab_export_is_served_by_the_draft_model_drafter(tmp_path):
     llm.engine.drafter.propose = lambda b: [drafted.extend(d.token_ids) or d for d in propose(b)]
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
     assert drafted and max(drafted) < 60
+
+
+def test_a_head_directory_of_trained_layers_is_served(tmp_path, monkeypatch):
+    """As tandem ships it (head.json + head.safetensors, no embedding): the drafter adds the
+    target's embedding and untied LM head once, caches the model directory, and drafts losslessly;
+    without a path it finds the head shipped for the target."""
+    import dataclasses
+
+    from tandem.config import EngineConfig, SamplingParams, SpecConfig
+    from tandem.drafters import draft_model as drafter_module
+    from tandem.llm import LLM
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    p, batch = parts(), make_batch()
+    head = build_head("draft_model", p, num_layers=2)
+    train(head, batch, p, steps=10, lr=3e-3)
+    full, shipped = tmp_path / "full", tmp_path / "shipped"
+    save_head(head, full, "sharp-qwen2-0", tokenizer=hf_tokenizer())
+    shipped.mkdir()
+    for name in ("head.json", "head.safetensors"):
+        (shipped / name).write_bytes((full / name).read_bytes())
+
+    target = dataclasses.replace(sharp_target(), tokenizer=hf_tokenizer())
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[5, 17, 33, 8, 91, 4], [7] * 9 + [12, 13]]
+    plain = [o.token_ids for o in LLM.from_loaded(target, EngineConfig(max_model_len=128)).generate(prompts, params)]
+    llm = LLM.from_loaded(target, EngineConfig(max_model_len=128, spec=SpecConfig("draft_model", 3, str(shipped))))
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.spec.num_draft_tokens for o in outs) > 0
+
+    made = list((tmp_path / "cache" / "drafters").iterdir())
+    assert len(made) == 1 and made[0].name.startswith("sharp-qwen2-0-draft_model-")
+    seq = batch.token_ids[0, :20].tolist()
+    logits = []
+    for directory in (full, made[0]):
+        loaded = load_model(str(directory))
+        runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, 32, loaded.dtype))
+        logits.append(runner.forward([SeqInput(runner.cache.allocate(), seq, logits="all")]).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-3, atol=1e-3)
+
+    # No path: the head shipped for the target; the cached directory is reused, not rebuilt.
+    monkeypatch.setattr(drafter_module, "shipped_head_dir", lambda model, method: shipped if model == "sharp-qwen2-0" else None)
+    stamp = (made[0] / "model.safetensors").stat().st_mtime_ns
+    again = LLM.from_loaded(target, EngineConfig(max_model_len=128, spec=SpecConfig("draft_model", 3)))
+    assert [o.token_ids for o in again.generate(prompts, params)] == plain
+    assert list((tmp_path / "cache" / "drafters").iterdir()) == made
+    assert (made[0] / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_head_directory_for_another_target_or_method_is_refused(tmp_path, monkeypatch):
+    import dataclasses
+
+    from tandem.config import EngineConfig, SpecConfig
+    from tandem.llm import LLM
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    head = build_head("draft_model", parts(), num_layers=1)
+    save_head(head, tmp_path / "dm", "sharp-qwen2-0", tokenizer=hf_tokenizer())
+    (tmp_path / "dm" / "config.json").unlink()  # trained layers only
+    other = dataclasses.replace(sharp_target(seed=1), tokenizer=hf_tokenizer())
+    with pytest.raises(ValueError, match="different weights"):
+        LLM.from_loaded(other, EngineConfig(max_model_len=64, spec=SpecConfig("draft_model", 3, str(tmp_path / "dm"))))
+    medusa = build_head("medusa", parts(), num_heads=2)
+    save_head(medusa, tmp_path / "medusa", "sharp-qwen2-0")
+    target = dataclasses.replace(sharp_target(), tokenizer=hf_tokenizer())
+    with pytest.raises(ValueError, match="holds a medusa head"):
+        LLM.from_loaded(target, EngineConfig(max_model_len=64, spec=SpecConfig("draft_model", 3, str(tmp_path / "medusa"))))

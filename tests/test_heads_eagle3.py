@@ -87,3 +87,43 @@ def test_target_logits_over_a_column_subset_equal_the_full_logits_sliced():
     hidden = batch.hidden[p.config.num_layers][batch.loss_mask]
     columns = torch.tensor([5, 0, 96, 40])
     assert torch.allclose(target_logits(p, hidden, columns), target_logits(p, hidden)[:, columns], atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_unrolling_only_the_graded_chains_computes_the_same_chains(method):
+    """Training runs steps >= 1 only over each row's span of graded chain starts (prompt chains
+    are skipped): those chains' outputs, and so the loss, equal the run over every start."""
+    from tandem.drafters.heads.eagle import graded_starts
+
+    p, batch = parts(), make_batch(prompt_len=10)
+    head = build_head(method, p, unroll_steps=4).eval()
+    starts = graded_starts(batch.loss_mask, 4)
+    b0, j0 = starts.nonzero(as_tuple=True)
+    assert int(j0.min()) > 0 and bool(starts[:, -2:].any()) is False  # the prompt's chains are really left out
+    full = head.unroll(batch, p, 4)
+    part = head.unroll(batch, p, 4, starts=starts)
+    torch.testing.assert_close(part[0], full[0])
+    for s in range(1, 4):
+        torch.testing.assert_close(part[s][b0, j0], full[s][b0, j0])
+        outside = ~starts
+        outside[:, int(j0.min()) :] = False  # before every row's first graded start: not computed
+        assert not part[s][outside].any()
+    # Arbitrary wanted starts, including a row with none and one wanting only its last start.
+    wanted = torch.zeros_like(batch.loss_mask)
+    wanted[0, [3, 9, 15]] = True
+    wanted[2, -1] = True
+    part = head.unroll(batch, p, 3, starts=wanted)
+    b, j = wanted.nonzero(as_tuple=True)
+    for s in range(1, 3):
+        torch.testing.assert_close(part[s][b, j], full[s][b, j])
+        assert not part[s][1].any()
+
+
+def test_start_span():
+    from tandem.drafters.heads.eagle import _start_span
+
+    starts = torch.tensor([[False, True, False, True, False], [False] * 5, [False, False, False, False, True]])
+    index, valid = _start_span(starts, 3, 5, "cpu")
+    assert index.tolist() == [[1, 2, 3], [0, 1, 2], [4, 4, 4]]
+    assert valid.tolist() == [[True, True, True], [False, False, False], [True, False, False]]
+    assert _start_span(None, 3, 5, "cpu") is None

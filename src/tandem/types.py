@@ -117,6 +117,18 @@ class SpecStats:
         """P(draft token i passes | tokens before it passed), from the rounds that graded it."""
         return [a / g if g else 0.0 for a, g in zip(self.accepted_per_position, self.graded_per_position)]
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecStats":
+        """The counters back from `as_dict` (rates are recomputed from them)."""
+        missing = {"graded_per_position", "num_committed_tokens"} - set(d)
+        if missing:
+            raise ValueError(f"speculation counters lack {', '.join(sorted(missing))} (written by an older tandem)")
+        return cls(num_drafts=d["num_drafts"], num_draft_tokens=d["num_draft_tokens"],
+                   num_accepted_tokens=d["num_accepted_tokens"],
+                   accepted_per_position=list(d["accepted_per_position"]),
+                   graded_per_position=list(d["graded_per_position"]), num_forwards=d["num_target_forwards"],
+                   num_committed_tokens=d["num_committed_tokens"])
+
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,
@@ -125,8 +137,10 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "graded_per_position": list(self.graded_per_position),
             "acceptance_per_position": [round(a, 4) for a in self.acceptance_per_position],
             "num_target_forwards": self.num_forwards,
+            "num_committed_tokens": self.num_committed_tokens,
         }
 
 

@@ -52,6 +52,13 @@ def add_bench_parser(sub) -> None:
     spec.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
     spec.set_defaults(func=_run_spec)
 
+    merge = kinds.add_parser("spec-merge", help="merge `bench spec` reports of disjoint subtasks (a full suite run in "
+                                                "parts, e.g. one --categories run per sitting) into one report")
+    merge.add_argument("reports", nargs="+", help="report JSON files written by `tandem bench spec --json`")
+    merge.add_argument("--json", default="results/bench_spec.json", help="merged report path ('' to skip)")
+    merge.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
+    merge.set_defaults(func=_run_spec_merge)
+
     from tandem.bench.serve import add_serve_bench_parser
 
     add_serve_bench_parser(kinds)
@@ -77,3 +84,9 @@ def _run_spec(args: argparse.Namespace) -> int:
     report = bench_spec(args)
     # A greedy mismatch means a method changed the output: a bug, so the exit status says so.
     return 1 if any(v["mismatches"] for v in (report["identity"] or {}).values()) else 0
+
+
+def _run_spec_merge(args: argparse.Namespace) -> int:
+    from tandem.bench.spec_merge import merge_command
+
+    return merge_command(args)

@@ -168,6 +168,13 @@ class DraftProfile:
         """Drafter time per requested draft position (the draft cost model is linear in k)."""
         return self.seconds / self.requested if self.requested else 0.0
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftProfile":
+        """The counters back from `as_dict`."""
+        return cls(rounds=d["rounds"], requested=d["requested_positions"], seconds=d["seconds"],
+                   reached=list(d["reached_per_position"]), passed=list(d["passed_per_position"]),
+                   lengths=list(d["drafted_lengths"]))
+
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "requested_positions": self.requested, "seconds": round(self.seconds, 4),
                 "reached_per_position": list(self.reached), "passed_per_position": list(self.passed),
@@ -331,25 +338,35 @@ def run_spec_bench(
 
 
 def _summary(picked: list[Run], baseline: dict | None) -> dict:
-    per_prompt = [len(r.token_ids) / r.seconds for r in picked if r.seconds > 0]
-    row = {
-        "tokens": sum(len(r.token_ids) for r in picked),
-        "seconds": sum(r.seconds for r in picked),
-        "tokens_per_second": statistics.fmean(per_prompt) if per_prompt else 0.0,
-    }
-    if baseline is not None:
-        row["speedup"] = row["tokens_per_second"] / baseline["tokens_per_second"] if baseline["tokens_per_second"] else 0.0
+    stats = profile = None
     if picked and picked[0].spec is not None:
         stats = SpecStats()
         for r in picked:
             stats.merge(r.spec)
-        row.update(tau=stats.mean_acceptance_length, acceptance_rate=stats.acceptance_rate,
-                   acceptance_per_position=stats.acceptance_per_position,
-                   accepted_per_position=list(stats.accepted_per_position), spec=stats.as_dict())
     if picked and picked[0].profile is not None:
         profile = DraftProfile()
         for r in picked:
             profile.merge(r.profile)
+    return summary_row([len(r.token_ids) for r in picked], [r.seconds for r in picked], stats, profile, baseline)
+
+
+def summary_row(tokens: list[int], seconds: list[float], stats: SpecStats | None, profile: DraftProfile | None,
+                baseline: dict | None) -> dict:
+    """One configuration's row over some prompts: their generated tokens and wall seconds, the
+    speculation counters and draft profile summed over them, the speedup over `baseline`'s row."""
+    per_prompt = [n / s for n, s in zip(tokens, seconds) if s > 0]
+    row = {
+        "tokens": sum(tokens),
+        "seconds": sum(seconds),
+        "tokens_per_second": statistics.fmean(per_prompt) if per_prompt else 0.0,
+    }
+    if baseline is not None:
+        row["speedup"] = row["tokens_per_second"] / baseline["tokens_per_second"] if baseline["tokens_per_second"] else 0.0
+    if stats is not None:
+        row.update(tau=stats.mean_acceptance_length, acceptance_rate=stats.acceptance_rate,
+                   acceptance_per_position=stats.acceptance_per_position,
+                   accepted_per_position=list(stats.accepted_per_position), spec=stats.as_dict())
+    if profile is not None:
         row.update(drafted_acceptance=profile.acceptance(), draft_seconds=profile.seconds,
                    draft_seconds_per_position=profile.seconds_per_position, draft=profile.as_dict())
     return row

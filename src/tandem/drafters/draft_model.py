@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from tandem.config import SpecConfig
 from tandem.drafters.base import Drafter, DraftInput, TargetInfo, register
+from tandem.drafters.heads.distill import is_head_dir, materialize_draft_model
+from tandem.drafters.heads.io import shipped_head_dir
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.runner import ModelRunner, SeqInput
@@ -183,9 +185,14 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
         super().__init__(spec, target)
-        if not spec.draft_model_path:
-            raise ValueError("draft_model drafter needs a draft model: set draft_model_path (speculative_draft_model_path)")
-        loaded = load_draft_model(spec.draft_model_path, target)
+        path = spec.draft_model_path or shipped_head_dir(target.model_name, "draft_model")
+        if not path:
+            raise ValueError("draft_model drafter needs a draft model: set draft_model_path (speculative_draft_model_path) "
+                             f"to a model directory or a `tandem train --method draft_model` output; tandem ships none "
+                             f"for {target.model_name or 'this target'}")
+        if is_head_dir(path):  # trained layers only: add the target's embedding once, cached
+            path = materialize_draft_model(path, target)
+        loaded = load_draft_model(str(path), target)
         check_same_vocab(loaded, target)
         self.lm = DraftLM(loaded, target.device)
         # Draft logits are cut (extra ids never proposed) or q zero-padded to the target's vocab.

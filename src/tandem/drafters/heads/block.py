@@ -147,24 +147,26 @@ class DraftBlock(nn.Module):
         positions: torch.Tensor,
         base_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         chain_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One training-time-test step (EAGLE-3): the chain starting at every position j runs
         its step s at position j + s and sees the base keys at positions <= j (the true
         features) plus its own chain's keys from steps 1..s, one per step (a diagonal).
 
-        base_kv: (k, v, base positions [B, T]) of step 0; chain_kv: (k, v) of steps 1..s-1, each
-        [B, hkv, T, D] indexed by chain start j. Returns the output and this step's (k, v).
+        base_kv: (k, v, base positions [B, T]) of step 0; starts [B, Tq]: the chain start of each
+        query (default: the base positions, one chain per position); chain_kv: (k, v) of steps
+        1..s-1, each [B, hkv, Tq, D] in the same query order. Returns the output and this step's (k, v).
         """
         q, k, v = self.qkv_heads(attn_in, positions)
         k0, v0, pos0 = base_kv
-        start = pos0  # chain j's start position
+        start = pos0 if starts is None else starts
         # Base part: key j' visible to chain j when j' <= j.
-        scores0 = torch.matmul(q, self._expand(k0).transpose(-1, -2)) * self.scale  # [B, h, T, T]
+        scores0 = torch.matmul(q, self._expand(k0).transpose(-1, -2)) * self.scale  # [B, h, Tq, T]
         allowed = (pos0.unsqueeze(-2) <= start.unsqueeze(-1)).unsqueeze(1)
         scores0 = scores0.masked_fill(~allowed, float("-inf"))
         diag_k = [ck for ck, _ in chain_kv] + [k]
         diag_v = [cv for _, cv in chain_kv] + [v]
-        diag = torch.stack([(q * self._expand(dk)).sum(-1) * self.scale for dk in diag_k], dim=-1)  # [B, h, T, s]
+        diag = torch.stack([(q * self._expand(dk)).sum(-1) * self.scale for dk in diag_k], dim=-1)  # [B, h, Tq, s]
         probs = torch.softmax(torch.cat([scores0, diag], dim=-1).float(), dim=-1).to(q.dtype)
         p0, pd = probs[..., : scores0.shape[-1]], probs[..., scores0.shape[-1] :]
         attn = torch.matmul(p0, self._expand(v0))

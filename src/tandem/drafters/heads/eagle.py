@@ -36,6 +36,29 @@ def shift_left(ids: torch.Tensor, n: int) -> torch.Tensor:
     return F.pad(ids[:, n:], (0, n)) if n else ids
 
 
+def graded_starts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """bool [B, T]: the chain starts j some step s in 1..steps-1 is graded at (loss_mask[j + 1 + s])."""
+    starts = torch.zeros_like(loss_mask)
+    for s in range(1, steps):
+        starts[:, : -(1 + s)] |= loss_mask[:, 1 + s :]
+    return starts
+
+
+def _start_span(starts: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row, the positions from its first to its last wanted start: (index [B, S] clamped into
+    the row, valid [B, S]); S is the longest span (at least 1). None when every start is wanted."""
+    if starts is None:
+        return None
+    any_start = starts.any(-1)
+    first = torch.where(any_start, starts.float().argmax(-1), 0)
+    last = torch.where(any_start, T - 1 - starts.flip(-1).float().argmax(-1), -1)
+    length = last - first + 1
+    width = max(int(length.max()), 1)
+    offsets = torch.arange(width, device=device)
+    index = (first.unsqueeze(-1) + offsets).clamp(max=T - 1)
+    return index, offsets < length.unsqueeze(-1)
+
+
 class FeatureHead(DraftHead):
     """One draft decoder layer fed (token embedding, feature) pairs; see the module docstring."""
 
@@ -61,36 +84,47 @@ class FeatureHead(DraftHead):
 
     # ---- the unrolled chain --------------------------------------------------------------------
 
-    def unroll(self, batch: TrainBatch, target: TargetParts, steps: int, noise: float = 0.0) -> list[torch.Tensor]:
+    def unroll(self, batch: TrainBatch, target: TargetParts, steps: int, noise: float = 0.0,
+               starts: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Outputs [B, T, H] of chain steps 0..steps-1; step s at index j is the chain starting
         at position j after s own steps (its input token is x_{j+1+s}, the true token: a chain
-        only matters while its drafts equal the target's tokens)."""
+        only matters while its drafts equal the target's tokens).
+
+        starts: bool [B, T], the chain starts whose steps >= 1 are wanted (None: all). Those
+        steps then run only over each row's span from its first to its last wanted start, and
+        their outputs are zero elsewhere: training skips the chains of prompt positions, which
+        no loss grades. Step 0 always runs everywhere (its keys are every chain's context)."""
         ids = batch.token_ids
         B, T = ids.shape
         feat = self.fuse({layer: batch.hidden[layer].float() for layer in self.serving_layers})
         if noise:
             feat = feat + (torch.rand_like(feat) - 0.5) * 2 * noise
         positions = torch.arange(T, device=ids.device).expand(B, T)
-        outs: list[torch.Tensor] = []
-        base_kv, chain_kv = None, []
-        for s in range(steps):
-            emb = target.embed(shift_left(ids, 1 + s)).float()
+        out, (k, v) = self.block(*self.layer_input(target.embed(shift_left(ids, 1)).float(), feat), positions,
+                                 return_kv=True)
+        outs, base_kv, chain_kv = [out], (k, v, positions), []
+        if steps == 1:
+            return outs
+        span = _start_span(starts, B, T, ids.device)  # (index [B, S], valid [B, S]) or None: all
+        index = positions if span is None else span[0]
+        feat = out if span is None else out.gather(1, index.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+        for s in range(1, steps):
+            emb = target.embed(shift_left(ids, 1 + s).gather(1, index)).float()
             resid, attn_in = self.layer_input(emb, feat)
-            if s == 0:
-                out, (k, v) = self.block(resid, attn_in, positions, return_kv=True)
-                base_kv = (k, v, positions)
-            else:
-                out, kv = self.block.forward_unrolled(resid, attn_in, positions + s, base_kv, chain_kv)
-                chain_kv.append(kv)
-            outs.append(out)
+            out, kv = self.block.forward_unrolled(resid, attn_in, index + s, base_kv, chain_kv, starts=index)
+            chain_kv.append(kv)
             feat = out
+            if span is not None:  # back to [B, T, H]: zeros outside the wanted span
+                b, i = span[1].nonzero(as_tuple=True)
+                out = out.new_zeros(B, T, out.shape[-1]).index_put((b, index[b, i]), out[b, i])
+            outs.append(out)
         return outs
 
     @torch.no_grad()
     def draft_accuracy(self, batch: TrainBatch, target: TargetParts, k: int) -> torch.Tensor:
         greedy = target_argmax(batch, target)
         b0, t0, _ = chain_rows(batch, 0)
-        outs = self.unroll(batch, target, k)
+        outs = self.unroll(batch, target, k, starts=batch.loss_mask)
         correct = torch.zeros(len(b0), k, dtype=torch.bool, device=greedy.device)
         for s, out in enumerate(outs):
             b, t, valid = chain_rows(batch, 1 + s)
@@ -145,7 +179,8 @@ class EagleHead(FeatureHead):
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
         L = final_layer(target)
         hidden = batch.hidden[L].float()
-        outs = self.unroll(batch, target, self.unroll_steps, self.feature_noise if self.training else 0.0)
+        outs = self.unroll(batch, target, self.unroll_steps, self.feature_noise if self.training else 0.0,
+                           starts=graded_starts(batch.loss_mask, self.unroll_steps))
         targets = masked_targets(batch, target)
         total, weights, metrics = hidden.new_zeros(()), 0.0, {}
         for s, out in enumerate(outs):

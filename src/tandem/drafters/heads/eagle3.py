@@ -27,7 +27,7 @@ from tandem.drafters.heads.base import (
     soft_cross_entropy,
 )
 from tandem.drafters.heads.block import DraftBlock
-from tandem.drafters.heads.eagle import FeatureHead, shift_left
+from tandem.drafters.heads.eagle import FeatureHead, graded_starts, shift_left
 from tandem.model.arch import ModelConfig
 
 
@@ -148,7 +148,7 @@ class Eagle3Head(FeatureHead):
 
     def training_loss(self, batch: TrainBatch, target: TargetParts) -> tuple[torch.Tensor, dict[str, float]]:
         hidden = batch.hidden[final_layer(target)]
-        outs = self.unroll(batch, target, self.unroll_steps)
+        outs = self.unroll(batch, target, self.unroll_steps, starts=graded_starts(batch.loss_mask, self.unroll_steps))
         # The target's logits over the draft vocabulary only (softmax of them = its distribution
         # restricted to the draft vocab); a position counts when the target's next token, the
         # answer token of the self-distilled sequence, is one the head can propose.
