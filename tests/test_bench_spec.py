@@ -218,9 +218,11 @@ def test_spec_merge_command(report, tmp_path, capsys):
         files.append(tmp_path / f"part{i}.json")
         files[-1].write_text(json.dumps(part))
     out_json, plots = tmp_path / "merged.json", tmp_path / "plots"
-    assert main(["bench", "spec-merge", *map(str, files), "--json", str(out_json), "--plots", str(plots)]) == 0
+    # Named out of order (qa before summarization): merged in Spec-Bench's subtask order.
+    assert main(["bench", "spec-merge", *map(str, files[::-1]), "--json", str(out_json), "--plots", str(plots)]) == 0
     merged = json.loads(out_json.read_text())
     assert merged["categories"][OVERALL]["num_prompts"] == len(CASES)
+    assert list(merged["categories"]) == ["summarization", "qa", OVERALL]
     assert sorted(p.name for p in plots.iterdir()) == ["acceptance_per_position.png", "speedup_by_subtask.png",
                                                          "tau_vs_draft_length.png"]
     out = capsys.readouterr().out

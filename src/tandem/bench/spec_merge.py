@@ -128,6 +128,7 @@ def _median_cost_curve(curves: list[dict]) -> dict:
 
 
 def merge_command(args) -> int:
+    from tandem.bench.prompts import spec_bench_prompts
     from tandem.bench.spec_report import print_identity, print_table, write_outputs
 
     paths = [Path(p) for p in args.reports]
@@ -140,7 +141,15 @@ def merge_command(args) -> int:
             reports.append(json.loads(p.read_text()))
         except json.JSONDecodeError as err:
             raise ValueError(f"{p} is not JSON: {err}") from err
-    report = merge_spec_reports(reports, [p.name for p in paths])
+    # Spec-Bench's subtask order, whatever order the files were named in (a shell glob sorts them).
+    order = list(dict.fromkeys(p.category for p in spec_bench_prompts()))
+
+    def rank(report: dict) -> int:
+        subtasks = [c for c in report.get("categories", {}) if c != OVERALL]
+        return min((order.index(c) if c in order else len(order) for c in subtasks), default=len(order))
+
+    ranked = sorted(range(len(reports)), key=lambda i: rank(reports[i]))
+    report = merge_spec_reports([reports[i] for i in ranked], [paths[i].name for i in ranked])
     print(f"merged {len(paths)} reports: " + ", ".join(
         f"{m['report']} ({', '.join(m['subtasks'])}, {m['num_prompts']} prompts)" for m in report["merged_from"]))
     print_table(report)
