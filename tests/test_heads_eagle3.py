@@ -123,7 +123,7 @@ def test_start_span():
     from tandem.drafters.heads.eagle import _start_span
 
     starts = torch.tensor([[False, True, False, True, False], [False] * 5, [False, False, False, False, True]])
-    index, valid = _start_span(starts, 3, 5, "cpu")
+    index, valid = _start_span(starts)
     assert index.tolist() == [[1, 2, 3], [0, 1, 2], [4, 4, 4]]
     assert valid.tolist() == [[True, True, True], [False, False, False], [True, False, False]]
-    assert _start_span(None, 3, 5, "cpu") is None
+    assert _start_span(None) is None

@@ -44,17 +44,19 @@ def graded_starts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
     return starts
 
 
-def _start_span(starts: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per row, the positions from its first to its last wanted start: (index [B, S] clamped into
-    the row, valid [B, S]); S is the longest span (at least 1). None when every start is wanted."""
+def _start_span(starts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of starts [B, T], the positions from its first to its last wanted start: (index
+    [B, S] clamped into the row, valid [B, S]); S is the longest span (at least 1). None when every
+    start is wanted (starts None)."""
     if starts is None:
         return None
+    T = starts.shape[-1]
     any_start = starts.any(-1)
     first = torch.where(any_start, starts.float().argmax(-1), 0)
     last = torch.where(any_start, T - 1 - starts.flip(-1).float().argmax(-1), -1)
     length = last - first + 1
     width = max(int(length.max()), 1)
-    offsets = torch.arange(width, device=device)
+    offsets = torch.arange(width, device=starts.device)
     index = (first.unsqueeze(-1) + offsets).clamp(max=T - 1)
     return index, offsets < length.unsqueeze(-1)
 
@@ -105,7 +107,7 @@ class FeatureHead(DraftHead):
         outs, base_kv, chain_kv = [out], (k, v, positions), []
         if steps == 1:
             return outs
-        span = _start_span(starts, B, T, ids.device)  # (index [B, S], valid [B, S]) or None: all
+        span = _start_span(starts)  # (index [B, S], valid [B, S]) or None: all
         index = positions if span is None else span[0]
         feat = out if span is None else out.gather(1, index.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
         for s in range(1, steps):
