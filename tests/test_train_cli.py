@@ -69,3 +69,21 @@ def test_train_cli_reports_bad_input(tiny_target, tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--max-prompt-context", "-1")) == 2
     assert "--max-prompt-context" in capsys.readouterr().err
+
+
+def test_train_cli_transformers_backend_data_only_then_cached_answers(tiny_target, tmp_path, capsys):
+    # Nothing answered yet and no time to answer: a clear error, not an empty training set.
+    assert main(_argv(tiny_target, tmp_path, "--backend", "transformers", "--max-data-minutes", "0")) == 2
+    assert "no training prompt is answered" in capsys.readouterr().err
+    assert main(_argv(tiny_target, tmp_path, "--backend", "transformers", "--data-only", "--capture-layers", "0")) == 0
+    assert "12 training and 4 held-out answers" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+    answers = sorted((tmp_path / "data").glob("answers-transformers-*/answers-*.jsonl"))
+    stamps = [p.stat().st_mtime_ns for p in answers]
+    # A head trained on the cached data only (no answering), as several heads side by side would.
+    assert main(_argv(tiny_target, tmp_path, "--backend", "transformers", "--max-data-minutes", "0", "--steps", "3")) == 0
+    assert [p.stat().st_mtime_ns for p in answers] == stamps
+    record = json.loads((tmp_path / "out" / "training_record.json").read_text())
+    assert record["data"]["train_prompts"] == 12 and record["data"]["capture"]["quantization"] == "transformers"
+    assert main(_argv(tiny_target, tmp_path, "--backend", "transformers", "--temperature", "1", "--steps", "1")) == 2
+    assert "greedily" in capsys.readouterr().err

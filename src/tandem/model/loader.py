@@ -155,6 +155,16 @@ def _ensure_gguf_float_weights(src: ModelSource) -> Path:
     return out
 
 
+def float_checkpoint(name: str) -> Path:
+    """The HF directory of a model with float weights (a GGUF converted once), for libraries
+    that load HF checkpoints themselves (the transformers backend of `tandem train`)."""
+    src = resolve_model(name)
+    if src.gguf_path is not None:
+        _ensure_gguf_metadata(src)
+        _ensure_gguf_float_weights(src)
+    return src.hf_dir
+
+
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return json.loads((hf_dir / "config.json").read_text())
 

@@ -41,7 +41,16 @@ def add_train_parser(sub) -> None:
     p.add_argument("--held-out", type=int, default=48, help="prompts kept out of training for evaluation")
     p.add_argument("--max-new-tokens", type=int, default=160, help="length bound of the target's answers")
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of the target's answers (0 = greedy)")
-    p.add_argument("--generation-batch", type=int, default=32, help="prompts the engine answers together")
+    p.add_argument("--generation-batch", type=int, default=None,
+                   help="prompts answered together (default: 32 on the engine, 256 on transformers)")
+    p.add_argument("--backend", default="auto", choices=("auto", "tandem", "transformers"),
+                   help="what runs the target in the data stages: tandem's engine, or a padded transformers "
+                        "batch (greedy only; built for GPUs); auto: transformers on cuda, else tandem")
+    p.add_argument("--max-data-minutes", type=float, default=None,
+                   help="stop answering new training prompts after this long and train on those answered "
+                        "(a rerun continues; 0 = only answers already cached)")
+    p.add_argument("--data-only", action="store_true",
+                   help="stop after the answers and hidden states are cached (e.g. to train several heads on them)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--max-minutes", type=float, default=None, help="wall-time budget of this run (then checkpoint)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
@@ -95,6 +104,12 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(name).name) or "model"
 
 
+def _data_dir(args, target_name: str) -> Path:
+    from tandem.model.loader import cache_root
+
+    return Path(args.data_dir) if args.data_dir else cache_root() / "train" / _slug(target_name)
+
+
 def _capture_plan(answers_dir: Path, needed: tuple[int, ...], extra: list[int]) -> tuple[Path, tuple[int, ...]]:
     """(directory, layers) of the capture to use: an existing one holding every needed layer,
     else a new one for the needed + extra layers."""
@@ -112,7 +127,7 @@ def cmd_train(args) -> int:
     from tandem.drafters.heads.base import TargetParts
     from tandem.drafters.heads.io import build_head, save_head
     from tandem.llm import LLM
-    from tandem.model.loader import cache_root, load_model
+    from tandem.model.loader import load_model
     from tandem.train.data import CapturedData, DistillConfig, capture, distill, load_prompts, sequences
     from tandem.train.trainer import CHECKPOINT, TrainConfig, train
 
@@ -127,23 +142,46 @@ def cmd_train(args) -> int:
         raise ValueError(f"--max-prompt-context must be >= 0 (0 = the whole prompt), got {args.max_prompt_context}")
     if args.resume and not (Path(args.out) / CHECKPOINT).exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
+    if args.max_data_minutes is not None and args.max_data_minutes < 0:
+        raise ValueError(f"--max-data-minutes must be >= 0, got {args.max_data_minutes}")
+    backend = args.backend if args.backend != "auto" else ("transformers" if args.device == "cuda" else "tandem")
+    if backend == "transformers" and args.temperature != 0:
+        raise ValueError("--backend transformers answers greedily only; use --backend tandem for --temperature > 0")
     files = [Path(f) for f in args.prompts] if args.prompts else default_prompt_files()
     split = load_prompts(files, num_prompts=args.num_prompts, held_out=args.held_out, seed=args.seed)
+    deadline = None if args.max_data_minutes is None else time.monotonic() + 60 * args.max_data_minutes
 
-    # 1. Self-distillation in the target's serving configuration (the distribution drafts are verified against).
-    llm = LLM(args.target, device=args.device, max_num_seqs=args.generation_batch, max_model_len=1024)
-    loaded = llm.loaded
-    dcfg = DistillConfig(target=loaded.name, quantization=loaded.quantization, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, seed=args.seed)
-    data_dir = Path(args.data_dir) if args.data_dir else cache_root() / "train" / _slug(loaded.name)
-    answers_dir = data_dir / f"answers-t{args.temperature:g}-n{args.max_new_tokens}-s{args.seed}"
-    records = distill(llm, split.held_out + split.train, answers_dir, dcfg, shard_size=args.generation_batch)
-    held_records, train_records = records[: len(split.held_out)], records[len(split.held_out):]
-    del llm  # frees the engine's KV cache
-    capture_model = loaded
-    if (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
-        capture_model = load_model(args.target, dtype=args.capture_dtype, quantization=args.capture_quantization,
-                                   device=args.device)
+    # 1. Self-distillation: the target answers the prompts (the held-out ones first, always all of them).
+    if backend == "tandem":  # in the serving configuration: the distribution drafts are verified against
+        batch = args.generation_batch or 32
+        llm = LLM(args.target, device=args.device, max_num_seqs=batch, max_model_len=1024)
+        loaded = llm.loaded
+        dcfg = DistillConfig(target=loaded.name, quantization=loaded.quantization, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, seed=args.seed)
+        answers_dir = _data_dir(args, loaded.name) / f"answers-t{args.temperature:g}-n{args.max_new_tokens}-s{args.seed}"
+        held_records = distill(llm, split.held_out, answers_dir, dcfg, shard_size=batch)
+        train_records = distill(llm, split.train, answers_dir, dcfg, shard_size=batch, deadline=deadline)
+        del llm  # frees the engine's KV cache
+        capture_model = loaded
+        if (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
+            capture_model = load_model(args.target, dtype=args.capture_dtype, quantization=args.capture_quantization,
+                                       device=args.device)
+    else:  # the same weights, dense float32, through transformers
+        from tandem.train.hf_backend import distill_hf, load_hf_target
+
+        batch = args.generation_batch or 256
+        loaded = load_model(args.target, dtype="float32", quantization="none", device="cpu")
+        hf_model, hf_tokenizer = load_hf_target(args.target, args.device)
+        eos = set(loaded.config.eos_token_ids) | ({hf_tokenizer.eos_token_id} if hf_tokenizer.eos_token_id is not None else set())
+        dcfg = DistillConfig(target=loaded.name, quantization="transformers-float32", max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, seed=args.seed)
+        answers_dir = _data_dir(args, loaded.name) / f"answers-transformers-t0-n{args.max_new_tokens}-s{args.seed}"
+        held_records = distill_hf(hf_model, hf_tokenizer, eos, split.held_out, answers_dir, dcfg, batch_size=batch)
+        train_records = distill_hf(hf_model, hf_tokenizer, eos, split.train, answers_dir, dcfg, batch_size=batch,
+                                   deadline=deadline)
+        capture_model = None
+    if not train_records:
+        raise ValueError("no training prompt is answered yet; raise --max-data-minutes")
 
     # 2. The head, and the hidden states it needs.
     torch.manual_seed(args.seed)
@@ -160,12 +198,30 @@ def cmd_train(args) -> int:
         raise ValueError(f"--method {args.method} does not take options {sorted(options)}: {err}") from err
     layers = tuple(head.hidden_layers)
     cap_dir, cap_layers = _capture_plan(answers_dir, layers, args.capture_layers)
-    train_paths = capture(capture_model, sequences(train_records), cap_dir / "train", cap_layers, desc="capture (train)")
-    held_paths = capture(capture_model, sequences(held_records), cap_dir / "held_out", cap_layers, desc="capture (held out)")
-    capture_model_quant, capture_model_dtype = capture_model.quantization, str(capture_model.dtype).removeprefix("torch.")
-    del capture_model
+    if capture_model is not None:
+        train_paths = capture(capture_model, sequences(train_records), cap_dir / "train", cap_layers, desc="capture (train)")
+        held_paths = capture(capture_model, sequences(held_records), cap_dir / "held_out", cap_layers,
+                             desc="capture (held out)")
+        capture_setting = {"quantization": capture_model.quantization,
+                           "dtype": str(capture_model.dtype).removeprefix("torch.")}
+        del capture_model
+    else:
+        from tandem.train.hf_backend import capture_hf
+
+        train_paths = capture_hf(hf_model, loaded.name, sequences(train_records), cap_dir / "train", cap_layers,
+                                 desc="capture (train)")
+        held_paths = capture_hf(hf_model, loaded.name, sequences(held_records), cap_dir / "held_out", cap_layers,
+                                desc="capture (held out)")
+        capture_setting = {"quantization": "transformers", "dtype": "float32"}
+        del hf_model
+    if args.data_only:
+        print(f"data for {loaded.name} cached in {cap_dir.parent}: {len(train_records)} training and "
+              f"{len(held_records)} held-out answers, hidden layers {list(cap_layers)}")
+        return 0
     context = args.max_prompt_context or None
     data, held = CapturedData(train_paths, layers, context), CapturedData(held_paths, layers, context)
+    if args.device == "cuda":  # batches are assembled on the GPU
+        data, held = data.to_device("cuda"), held.to_device("cuda")
 
     # 3. Optimise, evaluate, export.
     result = train(head, target, data, held, cfg, args.out, resume=args.resume)
@@ -175,14 +231,14 @@ def cmd_train(args) -> int:
         "method_options": options,
         "data": {
             "prompt_files": [f.name for f in files],
-            "train_prompts": len(split.train),
+            "train_prompts": len(train_records),
             "held_out_prompts": len(split.held_out),
             "train_sequences": data.num_sequences,
             "train_answer_tokens": sum(len(r["answer_ids"]) for r in train_records),
             "held_out_sequences": held.num_sequences,
             "distillation": asdict(dcfg),
             "hidden_layers": list(layers),
-            "capture": {"quantization": capture_model_quant, "dtype": capture_model_dtype},
+            "capture": capture_setting,
         },
         "training": {**asdict(cfg), "max_prompt_context": context, "steps_done": result.step, "finished": result.finished,
                      "train_seconds": round(result.seconds, 1), "last_loss": result.last_loss},

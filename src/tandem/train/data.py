@@ -182,37 +182,61 @@ def read_answers(directory: str | Path) -> list[dict]:
     return out
 
 
-def distill(llm, prompts: list[str], directory: str | Path, cfg: DistillConfig, shard_size: int = 32) -> list[dict]:
+def distill(llm, prompts: list[str], directory: str | Path, cfg: DistillConfig, shard_size: int = 32,
+            deadline: float | None = None) -> list[dict]:
     """Answer every prompt with the target (batched through the engine); return the records.
 
     Records {"key", "prompt_ids", "answer_ids", "finish_reason"} go to answers-NNNNN.jsonl shards,
     each written atomically once its prompts are done, so an interrupted run resumes at the first
-    unfinished shard and never redoes a finished prompt.
+    unfinished shard and never redoes a finished prompt. deadline (a time.monotonic() value): stop
+    starting new shards after it and return the records finished so far.
     """
-    from tqdm.auto import tqdm
-
     from tandem.config import SamplingParams
+
+    def answer(prompts_ids: list[list[int]], prompts_text: list[str]) -> list[tuple[list[int], str]]:
+        params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=_prompt_seed(cfg, p))
+                  for p in prompts_text]
+        return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts_ids, params)]
+
+    chat = cfg.chat and getattr(llm.tokenizer, "chat_template", None) is not None
+    return answer_prompts(prompts, directory, cfg, answer, lambda p: llm.encode(p, chat), llm.config.max_model_len,
+                          shard_size, deadline=deadline)
+
+
+def answer_prompts(prompts: list[str], directory: str | Path, cfg: DistillConfig, answer, encode, max_model_len: int,
+                   shard_size: int, by_length: bool = False, deadline: float | None = None) -> list[dict]:
+    """The resumable shard loop of self-distillation, whatever generates the answers.
+
+    answer(prompt ids, prompt texts) -> [(answer ids, finish reason)]; encode(text) -> ids.
+    by_length: answer the prompts in order of length (less padding for a padded batch).
+    Returns the finished records in the order of `prompts` (all of them unless the deadline hit).
+    """
+    import time
+
+    from tqdm.auto import tqdm
 
     directory = Path(directory)
     _check_meta(directory, asdict(cfg))
     done = {r["key"]: r for r in read_answers(directory)}
-    todo = [p for p in prompts if prompt_key(p) not in done]
+    todo = [(p, encode(p)) for p in dict.fromkeys(prompts) if prompt_key(p) not in done]
+    if by_length:
+        todo.sort(key=lambda item: len(item[1]))
     next_shard = len(list(directory.glob("answers-*.jsonl")))
-    chat = cfg.chat and getattr(llm.tokenizer, "chat_template", None) is not None
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distillation", unit="prompt", disable=None)
     for start in range(0, len(todo), shard_size):
+        if deadline is not None and time.monotonic() > deadline:
+            log.info("self-distillation time budget reached: %d of %d prompts answered (a rerun continues)",
+                     len(prompts) - len(todo) + start, len(prompts))
+            break
         chunk = todo[start : start + shard_size]
-        params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=_prompt_seed(cfg, p))
-                  for p in chunk]
         # Prompts too long for a full-length answer in the context are recorded as skipped (done).
-        ids = [llm.encode(p, chat) for p in chunk]
-        fits = [i for i, x in enumerate(ids) if len(x) + cfg.max_new_tokens <= llm.config.max_model_len]
-        outputs = dict(zip(fits, llm.generate([ids[i] for i in fits], [params[i] for i in fits]))) if fits else {}
+        fits = [i for i, (_, ids) in enumerate(chunk) if len(ids) + cfg.max_new_tokens <= max_model_len]
+        answers = dict(zip(fits, answer([chunk[i][1] for i in fits], [chunk[i][0] for i in fits]))) if fits else {}
         records = [
-            {"key": prompt_key(p), "prompt_ids": o.prompt_token_ids, "answer_ids": o.token_ids, "finish_reason": o.finish_reason}
-            if (o := outputs.get(i)) is not None
-            else {"key": prompt_key(p), "prompt_ids": ids[i], "answer_ids": [], "finish_reason": "skipped: prompt too long"}
-            for i, p in enumerate(chunk)
+            {"key": prompt_key(p), "prompt_ids": ids, "answer_ids": list(answers[i][0]), "finish_reason": answers[i][1]}
+            if i in answers
+            else {"key": prompt_key(p), "prompt_ids": ids, "answer_ids": [], "finish_reason": "skipped: prompt too long"}
+            for i, (p, ids) in enumerate(chunk)
         ]
         shard = directory / f"answers-{next_shard:05d}.jsonl"
         _atomic_write(shard, lambda path: path.write_text("".join(json.dumps(r) + "\n" for r in records)))
@@ -221,7 +245,7 @@ def distill(llm, prompts: list[str], directory: str | Path, cfg: DistillConfig, 
             done[r["key"]] = r
         bar.update(len(chunk))
     bar.close()
-    return [done[prompt_key(p)] for p in prompts]
+    return [done[k] for k in map(prompt_key, prompts) if k in done]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,41 +284,57 @@ def capture(
     L the final normed hidden state. Shards already on disk (same keys) are kept, so a rerun
     resumes after the last finished shard.
     """
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     from tandem.model.kv_cache import KVCache
     from tandem.model.runner import ModelRunner, SeqInput
 
+    def forward_factory(max_len: int):
+        cache = KVCache(loaded.config, batch_size, max_len, loaded.dtype, loaded.model.embed.device)
+        runner = ModelRunner(loaded.model, cache)
+
+        def forward(group: list[Sequence], wanted: tuple[int, ...]) -> dict[int, list[torch.Tensor]]:
+            rows = [cache.allocate() for _ in group]
+            try:
+                return runner.forward([SeqInput(r, s.token_ids) for r, s in zip(rows, group)], hidden_layers=wanted).hidden
+            finally:
+                for r in rows:
+                    cache.release(r)
+
+        return forward
+
+    return write_captures(loaded.name, loaded.config.num_layers, forward_factory, seqs, directory, layers,
+                          shard_size, batch_size, store_dtype, desc)
+
+
+def write_captures(target_name: str, num_layers: int, forward_factory, seqs: list[Sequence], directory: str | Path,
+                   layers: tuple[int, ...], shard_size: int, batch_size: int, store_dtype: torch.dtype,
+                   desc: str) -> list[Path]:
+    """The resumable shard loop of `capture`, whatever runs the target.
+
+    forward_factory(longest sequence) -> forward(sequences, layers) -> {layer: [hidden [n_s, H] per sequence]}.
+    """
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
     directory = Path(directory)
     layers = tuple(sorted(set(layers)))
-    L = loaded.config.num_layers
-    if any(not 0 <= layer <= L for layer in layers):
-        raise ValueError(f"hidden layers must lie in [0, {L}] for {loaded.name}, got {layers}")
-    _check_meta(directory, {"target": loaded.name, "layers": list(layers), "dtype": str(store_dtype)})
+    if any(not 0 <= layer <= num_layers for layer in layers):
+        raise ValueError(f"hidden layers must lie in [0, {num_layers}] for {target_name}, got {layers}")
+    _check_meta(directory, {"target": target_name, "layers": list(layers), "dtype": str(store_dtype)})
     shards = [seqs[i : i + shard_size] for i in range(0, len(seqs), shard_size)]
     paths = [directory / f"capture-{i:05d}.safetensors" for i in range(len(shards))]
     todo = [i for i, (chunk, path) in enumerate(zip(shards, paths)) if _shard_keys(path) != [s.key for s in chunk]]
     if not todo:
         return paths
-    device = loaded.model.embed.device
-    max_len = max(len(s.token_ids) for i in todo for s in shards[i])
-    cache = KVCache(loaded.config, batch_size, max_len, loaded.dtype, device)
-    runner = ModelRunner(loaded.model, cache)
+    forward = forward_factory(max(len(s.token_ids) for i in todo for s in shards[i]))
     bar = tqdm(total=sum(len(shards[i]) for i in todo), desc=desc, unit="seq", disable=None)
     for i in todo:
         chunk = shards[i]
         hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
         for start in range(0, len(chunk), batch_size):
             group = chunk[start : start + batch_size]
-            rows = [cache.allocate() for _ in group]
-            try:
-                out = runner.forward([SeqInput(r, s.token_ids) for r, s in zip(rows, group)], hidden_layers=layers)
-            finally:
-                for r in rows:
-                    cache.release(r)
+            out = forward(group, layers)
             for layer in layers:
-                hidden[layer].extend(h.to("cpu", store_dtype) for h in out.hidden[layer])
+                hidden[layer].extend(h.to("cpu", store_dtype) for h in out[layer])
             bar.update(len(group))
         lengths = torch.tensor([len(s.token_ids) for s in chunk])
         tensors = {
@@ -345,6 +385,7 @@ class CapturedData:
                     raise ValueError(f"{path} has no hidden states of layers {missing}; capture them again")
                 self.counts.append(len(json.loads(f.metadata()["keys"])))
         self._loaded: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._resident: list[dict[str, torch.Tensor]] | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -366,7 +407,21 @@ class CapturedData:
         """Every sequence once, in storage order (evaluation)."""
         return [(s, list(range(i, min(i + batch_size, n)))) for s, n in enumerate(self.counts) for i in range(0, n, batch_size)]
 
+    def to_device(self, device: str | torch.device) -> "CapturedData":
+        """Keep every shard resident on `device` (the layers this data serves only), so batches
+        are assembled there: on a GPU, host-side assembly and copies would bound the step time."""
+        from safetensors import safe_open
+
+        keep = ["token_ids", "offsets", "prompt_lens", *(f"hidden.{layer}" for layer in self.layers)]
+        self._resident = []
+        for path in self.paths:
+            with safe_open(str(path), "pt") as f:
+                self._resident.append({name: f.get_tensor(name).to(device) for name in keep})
+        return self
+
     def _shard(self, shard: int) -> dict[str, torch.Tensor]:
+        if self._resident is not None:
+            return self._resident[shard]
         if self._loaded is None or self._loaded[0] != shard:
             from safetensors.torch import load_file
 
@@ -378,15 +433,16 @@ class CapturedData:
         from tandem.drafters.heads.base import TrainBatch
 
         data = self._shard(shard)
-        offsets, prompt_lens = data["offsets"], data["prompt_lens"]
-        spans = [(int(offsets[i]), int(offsets[i + 1]), int(prompt_lens[i])) for i in indices]
+        offsets, prompt_lens = data["offsets"].tolist(), data["prompt_lens"].tolist()
+        spans = [(offsets[i], offsets[i + 1], prompt_lens[i]) for i in indices]
         if self.max_prompt_context is not None:  # drop the prompt's head (positions are relative)
             keep = self.max_prompt_context
             spans = [(lo + max(0, p - keep), hi, min(p, keep)) for lo, hi, p in spans]
         B, T = len(spans), max(hi - lo for lo, hi, _ in spans)
-        token_ids = torch.zeros(B, T, dtype=torch.long)
-        loss_mask = torch.zeros(B, T, dtype=torch.bool)
-        hidden = {layer: torch.zeros(B, T, data[f"hidden.{layer}"].shape[-1]) for layer in self.layers}
+        at = data["token_ids"].device  # where the shard lives: assembled there, then moved
+        token_ids = torch.zeros(B, T, dtype=torch.long, device=at)
+        loss_mask = torch.zeros(B, T, dtype=torch.bool, device=at)
+        hidden = {layer: torch.zeros(B, T, data[f"hidden.{layer}"].shape[-1], device=at) for layer in self.layers}
         for b, (lo, hi, p) in enumerate(spans):
             n = hi - lo
             token_ids[b, :n] = data["token_ids"][lo:hi].long()

@@ -7,6 +7,7 @@ where an uninterrupted run would be.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -168,6 +169,9 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(cfg.device)
     head.to(device).train()
+    if target.lm_head_weight is not None and target.lm_head_weight.device != device:
+        # Heads with a reduced vocabulary slice it every step: one copy on the device, not one per step.
+        target = dataclasses.replace(target, lm_head_weight=target.lm_head_weight.to(device))
     params = [p for p in head.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"the {head.method} head has no trainable parameters")
