@@ -13,7 +13,7 @@ from tandem.config import EngineConfig
 from tandem.drafters.heads.base import DraftHead, TargetParts, TrainBatch
 from tandem.llm import LLM
 from tandem.train.data import CapturedData, DistillConfig, capture, distill, sequences
-from tandem.train.trainer import EvalResult, TrainConfig, lr_factor, train
+from tandem.train.trainer import EvalResult, TrainConfig, lr_factor, simulated_chain_tau, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,6 +159,19 @@ def test_eval_result_arithmetic():
     assert r.tau == 2.5
     with pytest.raises(ValueError, match="no answer positions"):
         EvalResult.from_correct(torch.zeros(0, 3, dtype=torch.bool))
+
+
+def test_chain_tau_follows_the_engines_rounds():
+    # One sequence of 6 answer positions, k = 2. Round at 0 accepts 1 (commits 2) -> round at 2
+    # accepts 2 (commits 3) -> round at 5 accepts 0 (commits 1): 6 tokens in 3 rounds.
+    correct = torch.tensor([[1, 0], [1, 1], [1, 1], [0, 0], [1, 1], [0, 1]], dtype=torch.bool)
+    assert simulated_chain_tau([correct]) == 2.0
+    # Sequences are simulated separately: a second one restarts at its own first position.
+    r = EvalResult.from_correct(torch.cat([correct, torch.tensor([[1, 1]], dtype=torch.bool)]), [6, 1])
+    assert r.chain_tau == round(9 / 4, 4)
+    assert r.tau == round(1 + 5 / 7 + 4 / 7, 4)  # every position a start: more optimistic here
+    with pytest.raises(ValueError, match="lengths cover"):
+        EvalResult.from_correct(correct, [2, 2])
 
 
 def test_lr_schedule_and_config_validation():

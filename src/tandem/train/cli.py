@@ -252,6 +252,7 @@ def cmd_train(args) -> int:
     state = "finished" if result.finished else f"stopped at step {result.step}/{cfg.steps} (continue with --resume)"
     print(f"{args.method} head for {loaded.name}: {state}; exported to {args.out}")
     if ev is not None:
-        print(f"held-out ({ev.positions} positions): tau {ev.tau:.3f}, acceptance per position "
+        print(f"held-out ({ev.positions} positions): tau {ev.tau:.3f} (engine-like chain tau {ev.chain_tau:.3f}), "
+              "acceptance per position "
               + " ".join(f"{a:.3f}" for a in ev.acceptance))
     return 0
