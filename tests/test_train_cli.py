@@ -87,3 +87,5 @@ def test_train_cli_transformers_backend_data_only_then_cached_answers(tiny_targe
     assert record["data"]["train_prompts"] == 12 and record["data"]["capture"]["quantization"] == "transformers"
     assert main(_argv(tiny_target, tmp_path, "--backend", "transformers", "--temperature", "1", "--steps", "1")) == 2
     assert "greedily" in capsys.readouterr().err
+    assert main(_argv(tiny_target, tmp_path, "--backend", "transformers", "--capture-dtype", "bfloat16")) == 2
+    assert "float32" in capsys.readouterr().err

@@ -147,6 +147,9 @@ def cmd_train(args) -> int:
     backend = args.backend if args.backend != "auto" else ("transformers" if args.device == "cuda" else "tandem")
     if backend == "transformers" and args.temperature != 0:
         raise ValueError("--backend transformers answers greedily only; use --backend tandem for --temperature > 0")
+    if backend == "transformers" and (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
+        raise ValueError("--capture-quantization / --capture-dtype set the tandem backend's capture; "
+                         "the transformers backend always runs the dense float32 weights")
     files = [Path(f) for f in args.prompts] if args.prompts else default_prompt_files()
     split = load_prompts(files, num_prompts=args.num_prompts, held_out=args.held_out, seed=args.seed)
     deadline = None if args.max_data_minutes is None else time.monotonic() + 60 * args.max_data_minutes

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -211,8 +212,6 @@ def answer_prompts(prompts: list[str], directory: str | Path, cfg: DistillConfig
     by_length: answer the prompts in order of length (less padding for a padded batch).
     Returns the finished records in the order of `prompts` (all of them unless the deadline hit).
     """
-    import time
-
     from tqdm.auto import tqdm
 
     directory = Path(directory)
