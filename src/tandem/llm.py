@@ -24,6 +24,13 @@ def configure_threads(threads: int | None) -> int:
     return n
 
 
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Messages -> token ids through the tokenizer's chat template, ready for the assistant's turn
+    (transformers returns a list or, in some versions, a dict holding input_ids)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
 class LLM:
     """Load a target (and drafter) once; generate for one prompt or many (batched)."""
 
@@ -79,10 +86,7 @@ class LLM:
         if chat:
             if self.tokenizer.chat_template is None:
                 raise ValueError(f"{self.loaded.name} has no chat template; send a plain prompt")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return chat_token_ids(self.tokenizer, [{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
     def generate(

@@ -129,14 +129,11 @@ def run_transformers(model_name: str, prompts: list[str], max_new: int) -> BaseR
     """transformers `generate`, fp32, greedy, static-free default cache: its documented default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.model.loader import _ensure_gguf_float_weights, _ensure_gguf_metadata, resolve_model
+    from tandem.model.loader import float_checkpoint
 
-    src = resolve_model(model_name)
-    if src.gguf_path is not None:
-        _ensure_gguf_metadata(src)
-        _ensure_gguf_float_weights(src)
-    tok = AutoTokenizer.from_pretrained(str(src.hf_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=torch.float32).eval()
+    hf_dir = float_checkpoint(model_name)
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
 
     def encode(p):
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,

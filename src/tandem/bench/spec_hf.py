@@ -73,13 +73,9 @@ def load_transformers(model_name: str):
     """The float copy in tandem's cache (the GGUF dequantised once), fp32, as `bench base` uses."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.model.loader import _ensure_gguf_float_weights, _ensure_gguf_metadata, resolve_model
+    from tandem.model.loader import float_checkpoint
 
-    src = resolve_model(model_name)
-    if src.gguf_path is not None:
-        _ensure_gguf_metadata(src)
-        _ensure_gguf_float_weights(src)
-    return AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(float_checkpoint(model_name)), dtype=torch.float32).eval()
 
 
 def _vocab(model_name: str) -> dict[str, int]:

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import SamplingParams
+from tandem.llm import chat_token_ids
 from tandem.server.async_engine import AsyncEngine, Delta, EngineStoppedError, Generation, QueueFullError
 from tandem.server.protocol import (
     AssistantMessage,
@@ -169,11 +170,9 @@ def _encode_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
         raise APIError(400, f"{ctx.model_name} has no chat template; use /v1/completions", param="messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return chat_token_ids(tok, messages)
     except Exception as err:  # jinja raises for conversations a template rejects (role order ...)
         raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from err
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    return list(ids)
 
 
 def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]]) -> list[list[SamplingParams]]:

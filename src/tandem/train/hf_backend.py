@@ -34,10 +34,10 @@ def load_hf_target(name: str, device: str, dtype: torch.dtype = torch.float32):
 
 def encode_chat(tokenizer, prompt: str, chat: bool) -> list[int]:
     """A user prompt -> token ids, through the chat template when asked and the tokenizer has one."""
+    from tandem.llm import chat_token_ids
+
     if chat and getattr(tokenizer, "chat_template", None) is not None:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_token_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
 
 
