@@ -89,3 +89,45 @@ def test_train_cli_transformers_backend_data_only_then_cached_answers(tiny_targe
     assert "greedily" in capsys.readouterr().err
     assert main(_argv(tiny_target, tmp_path, "--backend", "transformers", "--capture-dtype", "bfloat16")) == 2
     assert "float32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["tandem", "transformers"])
+def test_train_cli_capture_in_memory_writes_no_hidden_states(tiny_target, tmp_path, capsys, backend):
+    argv = _argv(tiny_target, tmp_path, "--backend", backend, "--capture-in-memory", "--max-prompt-context", "0")
+    assert main([*argv, "--data-only"]) == 0
+    assert "captured in memory by each training run" in capsys.readouterr().out
+    assert main([*argv, "--max-data-minutes", "0", "--steps", "3"]) == 0
+    assert "held-out" in capsys.readouterr().out
+    record = json.loads((tmp_path / "out" / "training_record.json").read_text())
+    assert record["data"]["capture"]["stored"] == "memory" and record["training"]["steps_done"] == 3
+    assert record["data"]["train_sequences"] == 12 and record["training"]["max_prompt_context"] is None
+    assert not list((tmp_path / "data").glob("answers-*/capture-*"))
+
+
+def test_train_cli_init_from_fine_tunes_an_exported_head(tiny_target, tmp_path, capsys):
+    from tandem.drafters.heads.base import TargetParts
+    from tandem.drafters.heads.io import load_head
+    from tandem.model.loader import load_model
+
+    assert main(_argv(tiny_target, tmp_path, "--steps", "3")) == 0
+    first = tmp_path / "first"
+    (tmp_path / "out").rename(first)
+    capsys.readouterr()
+    root, prompts = tiny_target
+    again = ["train", "--target", str(root), "--method", "medusa", "--prompts", str(prompts), "--out", str(tmp_path / "out"),
+             "--data-dir", str(tmp_path / "data"), "--num-prompts", "12", "--held-out", "4", "--max-new-tokens", "8",
+             "--batch-size", "4", "--eval-every", "3", "--lr", "1e-2", "--init-from", str(first)]
+    assert main([*again, "--steps", "1", "--lr", "1e-12"]) == 0  # a step that cannot move the weights
+    target = TargetParts.from_loaded(load_model(str(root)))
+    before, after = load_head(first, target).state_dict(), load_head(tmp_path / "out", target).state_dict()
+    assert before.keys() == after.keys()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name])  # started from the exported weights
+    record = json.loads((tmp_path / "out" / "training_record.json").read_text())
+    assert record["training"]["init_from"] == str(first) and record["method_options"] == {}
+    # The head's options come with it; another method's head is refused.
+    assert main([*again, "--steps", "1", "--num-heads", "3"]) == 2
+    assert "keeps its own options" in capsys.readouterr().err
+    assert main([*again[:4], "mtp", *again[5:], "--steps", "1"]) == 2
+    assert "holds a medusa head" in capsys.readouterr().err
+    assert main([*again[:-1], str(tmp_path / "nothing"), "--steps", "1"]) == 2

@@ -47,7 +47,7 @@ def test_each_prompt_format(tmp_path):
 
 def test_shipped_training_sets_load_and_match_their_sources():
     files = sorted(DATA.glob("*.json*"))
-    assert len(files) == 7
+    assert len(files) == 8
     for f in files:
         prompts = read_prompt_file(f)
         assert len(prompts) >= 100, f.name

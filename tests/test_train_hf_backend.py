@@ -10,8 +10,17 @@ import torch
 from conftest import tiny_loaded
 from tandem.config import EngineConfig
 from tandem.llm import LLM
-from tandem.train.data import CapturedData, DistillConfig, capture, distill, read_answers, sequences
-from tandem.train.hf_backend import capture_hf, distill_hf
+from tandem.train.data import (
+    CapturedData,
+    DistillConfig,
+    capture,
+    capture_in_memory,
+    distill,
+    engine_forward_factory,
+    read_answers,
+    sequences,
+)
+from tandem.train.hf_backend import capture_hf, distill_hf, hf_forward_factory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,3 +84,39 @@ def test_resident_data_gives_the_same_batches(tmp_path):
         x, y = on_disk.batch(shard, idx), resident.batch(shard, idx)
         assert torch.equal(x.token_ids, y.token_ids) and torch.equal(x.lengths, y.lengths)
         assert torch.equal(x.loss_mask, y.loss_mask) and torch.equal(x.hidden[1], y.hidden[1])
+
+
+@pytest.mark.parametrize("backend", ["engine", "transformers"])
+def test_capture_in_memory_holds_what_the_disk_capture_holds(tmp_path, backend):
+    hf, loaded = tiny_loaded("llama")
+    seqs = sequences(_engine_answers(tmp_path))
+    L = loaded.config.num_layers
+    layers = (1, L)
+    factory = engine_forward_factory(loaded, batch_size=3) if backend == "engine" else hf_forward_factory(hf)
+    paths = capture_hf(hf, loaded.name, seqs, tmp_path / "cap", layers, shard_size=4, batch_size=3,
+                       store_dtype=torch.float32)
+    on_disk = CapturedData(paths, layers, 3)
+    memory = capture_in_memory(factory, seqs, layers, "cpu", 3, shard_size=4, batch_size=3, store_dtype=torch.float32)
+    assert memory.num_sequences == on_disk.num_sequences == len(seqs)
+
+    def rows(data):  # sequence (as its token ids) -> (loss mask, hidden states per layer), batch order aside
+        out = {}
+        for shard, idx in data.in_order(batch_size=2):
+            batch = data.batch(shard, idx)
+            for b in range(len(idx)):
+                n = int(batch.lengths[b])
+                out[tuple(batch.token_ids[b, :n].tolist())] = (batch.loss_mask[b, :n], [batch.hidden[x][b, :n] for x in layers])
+        return out
+
+    want, got = rows(on_disk), rows(memory)
+    assert want.keys() == got.keys()
+    for key, (mask, hidden) in want.items():
+        assert torch.equal(mask, got[key][0])
+        for h, g in zip(hidden, got[key][1]):
+            torch.testing.assert_close(g, h, atol=1e-4, rtol=1e-4)
+    # Shards group sequences of similar length, so a batch drawn within one pads little.
+    lengths = [data_len for shard in memory._resident for data_len in shard["offsets"].diff().tolist()]
+    assert lengths == sorted(lengths)
+    assert memory.to_device("cpu").num_sequences == len(seqs)
+    with pytest.raises(ValueError, match="empty"):
+        capture_in_memory(factory, [], layers, "cpu")

@@ -64,11 +64,18 @@ def add_train_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--eval-k", type=int, default=5, help="draft positions scored by the held-out evaluation")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from the weights (and options) of an exported head of the same method and target, "
+                        "e.g. a shipped one, instead of a fresh head: fine-tuning on new prompts")
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--capture-quantization", default="auto", choices=QUANTIZATIONS,
                    help="target weights for the capture forwards (answers always come from the serving configuration; "
                         "none: a dense copy of the same weights, ~3x faster for long forwards on a CPU)")
     p.add_argument("--capture-dtype", default="auto", choices=("auto",) + DTYPES, help="activation dtype of the capture")
+    p.add_argument("--capture-in-memory", action="store_true",
+                   help="keep the hidden states in --device memory instead of disk shards (recomputed by every run; "
+                        "for a GPU with room for tokens x layers x hidden x 2 bytes); --data-only then caches the "
+                        "answers only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--capture-layers", type=int, nargs="*", default=[],
                    help="extra target layers to store with the head's (one capture can then serve other methods)")
@@ -125,10 +132,10 @@ def cmd_train(args) -> int:
     import torch
 
     from tandem.drafters.heads.base import TargetParts
-    from tandem.drafters.heads.io import build_head, save_head
+    from tandem.drafters.heads.io import build_head, load_head, read_head_config, save_head
     from tandem.llm import LLM
     from tandem.model.loader import load_model
-    from tandem.train.data import CapturedData, DistillConfig, capture, distill, load_prompts, sequences
+    from tandem.train.data import DistillConfig, distill, load_prompts
     from tandem.train.trainer import CHECKPOINT, TrainConfig, train
 
     t_start = time.perf_counter()
@@ -142,6 +149,12 @@ def cmd_train(args) -> int:
         raise ValueError(f"--max-prompt-context must be >= 0 (0 = the whole prompt), got {args.max_prompt_context}")
     if args.resume and not (Path(args.out) / CHECKPOINT).exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
+    if args.init_from:
+        init_method = read_head_config(args.init_from)["method"]  # also: a clear error when there is no head
+        if init_method != args.method:
+            raise ValueError(f"--init-from {args.init_from} holds a {init_method} head, not {args.method}")
+        if options:
+            raise ValueError(f"--init-from {args.init_from}: the head keeps its own options; drop {sorted(options)}")
     if args.max_data_minutes is not None and args.max_data_minutes < 0:
         raise ValueError(f"--max-data-minutes must be >= 0, got {args.max_data_minutes}")
     backend = args.backend if args.backend != "auto" else ("transformers" if args.device == "cuda" else "tandem")
@@ -165,24 +178,23 @@ def cmd_train(args) -> int:
         held_records = distill(llm, split.held_out, answers_dir, dcfg, shard_size=batch)
         train_records = distill(llm, split.train, answers_dir, dcfg, shard_size=batch, deadline=deadline)
         del llm  # frees the engine's KV cache
-        capture_model = loaded
+        forward_model = loaded  # runs the capture forwards
         if (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
-            capture_model = load_model(args.target, dtype=args.capture_dtype, quantization=args.capture_quantization,
+            forward_model = load_model(args.target, dtype=args.capture_dtype, quantization=args.capture_quantization,
                                        device=args.device)
     else:  # the same weights, dense float32, through transformers
         from tandem.train.hf_backend import distill_hf, load_hf_target
 
         batch = args.generation_batch or 256
         loaded = load_model(args.target, dtype="float32", quantization="none", device="cpu")
-        hf_model, hf_tokenizer = load_hf_target(args.target, args.device)
+        forward_model, hf_tokenizer = load_hf_target(args.target, args.device)
         eos = set(loaded.config.eos_token_ids) | ({hf_tokenizer.eos_token_id} if hf_tokenizer.eos_token_id is not None else set())
         dcfg = DistillConfig(target=loaded.name, quantization="transformers-float32", max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, seed=args.seed)
         answers_dir = _data_dir(args, loaded.name) / f"answers-transformers-t0-n{args.max_new_tokens}-s{args.seed}"
-        held_records = distill_hf(hf_model, hf_tokenizer, eos, split.held_out, answers_dir, dcfg, batch_size=batch)
-        train_records = distill_hf(hf_model, hf_tokenizer, eos, split.train, answers_dir, dcfg, batch_size=batch,
+        held_records = distill_hf(forward_model, hf_tokenizer, eos, split.held_out, answers_dir, dcfg, batch_size=batch)
+        train_records = distill_hf(forward_model, hf_tokenizer, eos, split.train, answers_dir, dcfg, batch_size=batch,
                                    deadline=deadline)
-        capture_model = None
     if not train_records:
         raise ValueError("no training prompt is answered yet; raise --max-data-minutes")
 
@@ -195,36 +207,19 @@ def cmd_train(args) -> int:
         for r in train_records:
             counts += torch.bincount(torch.tensor(r["answer_ids"], dtype=torch.long), minlength=len(counts))[: len(counts)]
         build_options["token_counts"] = counts
-    try:
-        head = build_head(args.method, target, **build_options)
-    except TypeError as err:
-        raise ValueError(f"--method {args.method} does not take options {sorted(options)}: {err}") from err
-    layers = tuple(head.hidden_layers)
-    cap_dir, cap_layers = _capture_plan(answers_dir, layers, args.capture_layers)
-    if capture_model is not None:
-        train_paths = capture(capture_model, sequences(train_records), cap_dir / "train", cap_layers, desc="capture (train)")
-        held_paths = capture(capture_model, sequences(held_records), cap_dir / "held_out", cap_layers,
-                             desc="capture (held out)")
-        capture_setting = {"quantization": capture_model.quantization,
-                           "dtype": str(capture_model.dtype).removeprefix("torch.")}
-        del capture_model
+    if args.init_from:
+        head = load_head(args.init_from, target).train()
     else:
-        from tandem.train.hf_backend import capture_hf
-
-        train_paths = capture_hf(hf_model, loaded.name, sequences(train_records), cap_dir / "train", cap_layers,
-                                 desc="capture (train)")
-        held_paths = capture_hf(hf_model, loaded.name, sequences(held_records), cap_dir / "held_out", cap_layers,
-                                desc="capture (held out)")
-        capture_setting = {"quantization": "transformers", "dtype": "float32"}
-        del hf_model
-    if args.data_only:
-        print(f"data for {loaded.name} cached in {cap_dir.parent}: {len(train_records)} training and "
-              f"{len(held_records)} held-out answers, hidden layers {list(cap_layers)}")
+        try:
+            head = build_head(args.method, target, **build_options)
+        except TypeError as err:
+            raise ValueError(f"--method {args.method} does not take options {sorted(options)}: {err}") from err
+    layers = tuple(head.hidden_layers)
+    hidden = _hidden_states(args, loaded.name, forward_model, answers_dir, train_records, held_records, layers)
+    del forward_model  # a transformers copy gives its memory back before training
+    if hidden is None:  # --data-only
         return 0
-    context = args.max_prompt_context or None
-    data, held = CapturedData(train_paths, layers, context), CapturedData(held_paths, layers, context)
-    if args.device == "cuda":  # batches are assembled on the GPU
-        data, held = data.to_device("cuda"), held.to_device("cuda")
+    data, held, capture_setting = hidden
 
     # 3. Optimise, evaluate, export.
     result = train(head, target, data, held, cfg, args.out, resume=args.resume)
@@ -243,7 +238,7 @@ def cmd_train(args) -> int:
             "hidden_layers": list(layers),
             "capture": capture_setting,
         },
-        "training": {**asdict(cfg), "max_prompt_context": context, "steps_done": result.step, "finished": result.finished,
+        "training": {**asdict(cfg), "init_from": args.init_from, "max_prompt_context": args.max_prompt_context or None, "steps_done": result.step, "finished": result.finished,
                      "train_seconds": round(result.seconds, 1), "last_loss": result.last_loss},
         "held_out": asdict(result.eval) if result.eval else None,
         "command_seconds": round(time.perf_counter() - t_start, 1),
@@ -259,3 +254,50 @@ def cmd_train(args) -> int:
               "acceptance per position "
               + " ".join(f"{a:.3f}" for a in ev.acceptance))
     return 0
+
+
+def _hidden_states(args, target_name: str, model, answers_dir: Path, train_records: list[dict],
+                   held_records: list[dict], layers: tuple[int, ...]):
+    """The target's hidden states over the answered sequences: (train data, held-out data, capture
+    setting), or None when --data-only stops after caching them. model: a tandem LoadedModel (the
+    engine backend) or a transformers causal LM."""
+    from tandem.train.data import CapturedData, capture, capture_in_memory, engine_forward_factory, sequences
+    from tandem.train.hf_backend import capture_hf, hf_forward_factory
+
+    from tandem.model.loader import LoadedModel
+
+    on_engine = isinstance(model, LoadedModel)
+    if on_engine:
+        setting = {"quantization": model.quantization, "dtype": str(model.dtype).removeprefix("torch.")}
+    else:
+        setting = {"quantization": "transformers", "dtype": "float32"}
+    context = args.max_prompt_context or None
+    train_seqs, held_seqs = sequences(train_records), sequences(held_records)
+    if args.capture_in_memory:
+        if args.data_only:
+            print(f"answers for {target_name} cached in {answers_dir}: {len(train_records)} training and "
+                  f"{len(held_records)} held-out (hidden states are captured in memory by each training run)")
+            return None
+        batch = 8 if on_engine else 32  # the defaults of capture / capture_hf
+        factory = engine_forward_factory(model, batch) if on_engine else hf_forward_factory(model)
+        data = capture_in_memory(factory, train_seqs, layers, args.device, context, batch_size=batch,
+                                 desc="capture (train)")
+        held = capture_in_memory(factory, held_seqs, layers, args.device, context, batch_size=batch,
+                                 desc="capture (held out)")
+        return data, held, {**setting, "stored": "memory"}
+    cap_dir, cap_layers = _capture_plan(answers_dir, layers, args.capture_layers)
+    if on_engine:
+        train_paths = capture(model, train_seqs, cap_dir / "train", cap_layers, desc="capture (train)")
+        held_paths = capture(model, held_seqs, cap_dir / "held_out", cap_layers, desc="capture (held out)")
+    else:
+        train_paths = capture_hf(model, target_name, train_seqs, cap_dir / "train", cap_layers, desc="capture (train)")
+        held_paths = capture_hf(model, target_name, held_seqs, cap_dir / "held_out", cap_layers,
+                                desc="capture (held out)")
+    if args.data_only:
+        print(f"data for {target_name} cached in {cap_dir.parent}: {len(train_records)} training and "
+              f"{len(held_records)} held-out answers, hidden layers {list(cap_layers)}")
+        return None
+    data, held = CapturedData(train_paths, layers, context), CapturedData(held_paths, layers, context)
+    if args.device == "cuda":  # batches are assembled on the GPU
+        data, held = data.to_device("cuda"), held.to_device("cuda")
+    return data, held, {**setting, "stored": "disk"}

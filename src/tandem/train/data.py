@@ -283,6 +283,12 @@ def capture(
     L the final normed hidden state. Shards already on disk (same keys) are kept, so a rerun
     resumes after the last finished shard.
     """
+    return write_captures(loaded.name, loaded.config.num_layers, engine_forward_factory(loaded, batch_size), seqs,
+                          directory, layers, shard_size, batch_size, store_dtype, desc)
+
+
+def engine_forward_factory(loaded, batch_size: int):
+    """forward_factory (see write_captures) running the target through tandem's engine."""
     from tandem.model.kv_cache import KVCache
     from tandem.model.runner import ModelRunner, SeqInput
 
@@ -300,8 +306,7 @@ def capture(
 
         return forward
 
-    return write_captures(loaded.name, loaded.config.num_layers, forward_factory, seqs, directory, layers,
-                          shard_size, batch_size, store_dtype, desc)
+    return forward_factory
 
 
 def write_captures(target_name: str, num_layers: int, forward_factory, seqs: list[Sequence], directory: str | Path,
@@ -327,25 +332,55 @@ def write_captures(target_name: str, num_layers: int, forward_factory, seqs: lis
     forward = forward_factory(max(len(s.token_ids) for i in todo for s in shards[i]))
     bar = tqdm(total=sum(len(shards[i]) for i in todo), desc=desc, unit="seq", disable=None)
     for i in todo:
-        chunk = shards[i]
-        hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
-        for start in range(0, len(chunk), batch_size):
-            group = chunk[start : start + batch_size]
-            out = forward(group, layers)
-            for layer in layers:
-                hidden[layer].extend(h.to("cpu", store_dtype) for h in out[layer])
-            bar.update(len(group))
-        lengths = torch.tensor([len(s.token_ids) for s in chunk])
-        tensors = {
-            "token_ids": torch.tensor([t for s in chunk for t in s.token_ids], dtype=torch.int32),
-            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-            "prompt_lens": torch.tensor([s.prompt_len for s in chunk]),
-            **{f"hidden.{layer}": torch.cat(hidden[layer]).contiguous() for layer in layers},
-        }
-        meta = {"keys": json.dumps([s.key for s in chunk])}
+        tensors = _shard_tensors(shards[i], forward, layers, batch_size, "cpu", store_dtype, bar)
+        meta = {"keys": json.dumps([s.key for s in shards[i]])}
         _atomic_write(paths[i], lambda p: save_file(tensors, str(p), metadata=meta))
     bar.close()
     return paths
+
+
+def _shard_tensors(chunk: list[Sequence], forward, layers: tuple[int, ...], batch_size: int, device,
+                   store_dtype: torch.dtype, bar) -> dict[str, torch.Tensor]:
+    """One shard's tensors (the layout `capture` documents), its hidden states stored on `device`."""
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+    for start in range(0, len(chunk), batch_size):
+        group = chunk[start : start + batch_size]
+        out = forward(group, layers)
+        for layer in layers:
+            hidden[layer].extend(h.to(device, store_dtype) for h in out[layer])
+        bar.update(len(group))
+    lengths = torch.tensor([len(s.token_ids) for s in chunk])
+    tensors = {
+        "token_ids": torch.tensor([t for s in chunk for t in s.token_ids], dtype=torch.int32),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "prompt_lens": torch.tensor([s.prompt_len for s in chunk]),
+        **{f"hidden.{layer}": torch.cat(hidden[layer]).contiguous() for layer in layers},
+    }
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+def capture_in_memory(forward_factory, seqs: list[Sequence], layers: tuple[int, ...], device: str | torch.device,
+                      max_prompt_context: int | None = None, shard_size: int = 64, batch_size: int = 32,
+                      store_dtype: torch.dtype = torch.bfloat16, desc: str = "capture") -> "CapturedData":
+    """The hidden states of `capture`, kept in `device` memory instead of written to disk.
+
+    For a GPU with room for them (tokens x layers x hidden x 2 bytes): nothing is written, no
+    shard is read back, and the whole prompt fits in the context at no disk cost. Sequences are
+    grouped by length into shards, so a batch (drawn within a shard) pads little. Recomputed by
+    every run: the forwards cost far less than reading the shards back.
+    """
+    from tqdm.auto import tqdm
+
+    if not seqs:
+        raise ValueError("no captured shards: the training set is empty (no prompt got an answer)")
+    layers = tuple(sorted(set(layers)))
+    ordered = sorted(seqs, key=lambda s: len(s.token_ids))
+    chunks = [ordered[i : i + shard_size] for i in range(0, len(ordered), shard_size)]
+    forward = forward_factory(len(ordered[-1].token_ids))
+    bar = tqdm(total=len(ordered), desc=desc, unit="seq", disable=None)
+    shards = [_shard_tensors(chunk, forward, layers, batch_size, device, store_dtype, bar) for chunk in chunks]
+    bar.close()
+    return CapturedData.resident(shards, layers, max_prompt_context)
 
 
 def _shard_keys(path: Path) -> list[str] | None:
@@ -355,6 +390,11 @@ def _shard_keys(path: Path) -> list[str] | None:
 
     with safe_open(str(path), "pt") as f:
         return json.loads(f.metadata()["keys"])
+
+
+def _check_context(max_prompt_context: int | None) -> None:
+    if max_prompt_context is not None and max_prompt_context < 1:
+        raise ValueError(f"max_prompt_context must be >= 1, got {max_prompt_context}")
 
 
 class CapturedData:
@@ -370,8 +410,7 @@ class CapturedData:
         (the loss is on answer tokens; a long prompt would otherwise pad every row of its batch)."""
         from safetensors import safe_open
 
-        if max_prompt_context is not None and max_prompt_context < 1:
-            raise ValueError(f"max_prompt_context must be >= 1, got {max_prompt_context}")
+        _check_context(max_prompt_context)
         self.max_prompt_context = max_prompt_context
         if not paths:
             raise ValueError("no captured shards: the training set is empty (no prompt got an answer)")
@@ -386,6 +425,17 @@ class CapturedData:
         self._loaded: tuple[int, dict[str, torch.Tensor]] | None = None
         self._resident: list[dict[str, torch.Tensor]] | None = None
 
+    @classmethod
+    def resident(cls, shards: list[dict[str, torch.Tensor]], layers: tuple[int, ...],
+                 max_prompt_context: int | None = None) -> "CapturedData":
+        """Shards already in memory (capture_in_memory), in the layout of the files."""
+        _check_context(max_prompt_context)
+        data = cls.__new__(cls)
+        data.max_prompt_context, data.paths, data.layers = max_prompt_context, [], tuple(layers)
+        data.counts = [len(shard["prompt_lens"]) for shard in shards]
+        data._loaded, data._resident = None, shards
+        return data
+
     @property
     def num_sequences(self) -> int:
         return sum(self.counts)
@@ -393,7 +443,7 @@ class CapturedData:
     def epoch_plan(self, epoch: int, batch_size: int, seed: int) -> list[tuple[int, list[int]]]:
         """[(shard index, sequence indices)] batches of one epoch."""
         rng = random.Random(seed * 1_000_003 + epoch)
-        order = list(range(len(self.paths)))
+        order = list(range(len(self.counts)))
         rng.shuffle(order)
         plan = []
         for shard in order:
@@ -411,6 +461,9 @@ class CapturedData:
         are assembled there: on a GPU, host-side assembly and copies would bound the step time."""
         from safetensors import safe_open
 
+        if self._resident is not None:  # already in memory
+            self._resident = [{name: t.to(device) for name, t in shard.items()} for shard in self._resident]
+            return self
         keep = ["token_ids", "offsets", "prompt_lens", *(f"hidden.{layer}" for layer in self.layers)]
         self._resident = []
         for path in self.paths:

@@ -83,8 +83,15 @@ def distill_hf(model, tokenizer, eos_ids: set[int], prompts: list[str], director
 def capture_hf(model, target_name: str, seqs: list[Sequence], directory: str | Path, layers: tuple[int, ...],
                shard_size: int = 64, batch_size: int = 32, store_dtype: torch.dtype = torch.bfloat16,
                desc: str = "capture") -> list[Path]:
-    """`data.capture` through the transformers model: forward hooks read the outputs of the wanted
-    decoder layers, and of the final norm for layer L (tandem's layer convention)."""
+    """`data.capture` through the transformers model."""
+    return write_captures(target_name, len(model.model.layers), hf_forward_factory(model), seqs, directory, layers,
+                          shard_size, batch_size, store_dtype, desc)
+
+
+def hf_forward_factory(model):
+    """forward_factory (see data.write_captures) running the transformers model: forward hooks read
+    the outputs of the wanted decoder layers, and of the final norm for layer L (tandem's layer
+    convention)."""
     base = model.model
     decoder, norm = base.layers, base.norm
     L = len(decoder)
@@ -117,5 +124,4 @@ def capture_hf(model, target_name: str, seqs: list[Sequence], directory: str | P
 
         return forward
 
-    return write_captures(target_name, L, forward_factory, seqs, directory, layers, shard_size, batch_size,
-                          store_dtype, desc)
+    return forward_factory

@@ -279,7 +279,7 @@ def train(
             history.append({"step": step, "loss": round(last_loss, 5), "lr": sched.get_last_lr()[0],
                             "grad_norm": round(float(grad_norm), 4),
                             **{k: round(v, 5) for k, v in metrics.items() if k != "loss"}})
-            log.info("step %d/%d: loss %.4f (%.1f s/step)", step, cfg.steps, last_loss,
+            log.info("step %d/%d: loss %.4f (%.3f s/step)", step, cfg.steps, last_loss,
                      (time.perf_counter() - t0) / max(1, step - first_step))
         if step % cfg.eval_every == 0 or step == cfg.steps:
             last_eval = run_eval()
