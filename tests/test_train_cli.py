@@ -125,6 +125,8 @@ def test_train_cli_init_from_fine_tunes_an_exported_head(tiny_target, tmp_path, 
         torch.testing.assert_close(after[name], before[name])  # started from the exported weights
     record = json.loads((tmp_path / "out" / "training_record.json").read_text())
     assert record["training"]["init_from"] == str(first) and record["method_options"] == {}
+    history = json.loads((tmp_path / "out" / "metrics.json").read_text())["history"]
+    assert history[0]["step"] == 0 and "eval" in history[0]  # the starting head is evaluated too
     # The head's options come with it; another method's head is refused.
     assert main([*again, "--steps", "1", "--num-heads", "3"]) == 2
     assert "keeps its own options" in capsys.readouterr().err

@@ -222,7 +222,7 @@ def cmd_train(args) -> int:
     data, held, capture_setting = hidden
 
     # 3. Optimise, evaluate, export.
-    result = train(head, target, data, held, cfg, args.out, resume=args.resume)
+    result = train(head, target, data, held, cfg, args.out, resume=args.resume, eval_first=bool(args.init_from))
     record = {
         "target": loaded.name,
         "method": args.method,

@@ -196,9 +196,11 @@ def train(
     cfg: TrainConfig,
     out_dir: str | Path,
     resume: bool = False,
+    eval_first: bool = False,
 ) -> TrainResult:
     """Optimise head.training_loss for cfg.steps steps (or until max_minutes), checkpointing into
-    out_dir/checkpoint.pt and logging held-out evaluations into out_dir/metrics.json."""
+    out_dir/checkpoint.pt and logging held-out evaluations into out_dir/metrics.json.
+    eval_first: evaluate the head before the first step too (a head that starts trained)."""
     from tqdm.auto import tqdm
 
     out = Path(out_dir)
@@ -254,6 +256,8 @@ def train(
     steps_per_epoch = len(data.epoch_plan(0, cfg.batch_size, cfg.seed))
     bar = tqdm(total=cfg.steps, initial=step, desc=f"training {head.method}", unit="step", disable=None)
     last_loss, last_eval = None, None
+    if eval_first and step == 0:
+        run_eval()
     while step < cfg.steps:
         if deadline is not None and time.perf_counter() > deadline:
             log.info("time budget of %.1f min reached at step %d; checkpointed (continue with --resume)", cfg.max_minutes, step)
