@@ -201,15 +201,16 @@ def cmd_train(args) -> int:
     # 2. The head, and the hidden states it needs.
     torch.manual_seed(args.seed)
     target = TargetParts.from_loaded(loaded)
-    build_options = dict(options)
-    if "draft_vocab_size" in options:  # the reduced vocabulary = the most frequent answer tokens
-        counts = torch.zeros(loaded.config.vocab_size)
-        for r in train_records:
-            counts += torch.bincount(torch.tensor(r["answer_ids"], dtype=torch.long), minlength=len(counts))[: len(counts)]
-        build_options["token_counts"] = counts
     if args.init_from:
         head = load_head(args.init_from, target).train()
     else:
+        build_options = dict(options)
+        if "draft_vocab_size" in options:  # the reduced vocabulary = the most frequent answer tokens
+            V = loaded.config.vocab_size
+            counts = torch.zeros(V)
+            for r in train_records:
+                counts += torch.bincount(torch.tensor(r["answer_ids"], dtype=torch.long), minlength=V)[:V]
+            build_options["token_counts"] = counts
         try:
             head = build_head(args.method, target, **build_options)
         except TypeError as err:
@@ -238,8 +239,9 @@ def cmd_train(args) -> int:
             "hidden_layers": list(layers),
             "capture": capture_setting,
         },
-        "training": {**asdict(cfg), "init_from": args.init_from, "max_prompt_context": args.max_prompt_context or None, "steps_done": result.step, "finished": result.finished,
-                     "train_seconds": round(result.seconds, 1), "last_loss": result.last_loss},
+        "training": {**asdict(cfg), "init_from": args.init_from, "max_prompt_context": args.max_prompt_context or None,
+                     "steps_done": result.step, "finished": result.finished, "train_seconds": round(result.seconds, 1),
+                     "last_loss": result.last_loss},
         "held_out": asdict(result.eval) if result.eval else None,
         "command_seconds": round(time.perf_counter() - t_start, 1),
     }
