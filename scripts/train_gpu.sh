@@ -25,6 +25,12 @@ out=$1
 shift
 read -r -a tandem <<< "${TANDEM:-tandem}"
 read -r -a methods <<< "${METHODS:-eagle3 medusa mtp}"
+for method in "${methods[@]}"; do  # before any GPU time is spent
+    case $method in
+        eagle3|medusa|mtp) ;;
+        *) echo "[train_gpu] unknown method $method (eagle3, medusa, mtp)" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$out"
 common=(--target "${TARGET:-smollm2-135m-instruct}" --device cuda --backend transformers
         --num-prompts "${NUM_PROMPTS:-30000}" --held-out 48 --max-new-tokens "${MAX_NEW_TOKENS:-192}"
@@ -58,7 +64,6 @@ for method in "${methods[@]}"; do
                     --eval-every 500 --checkpoint-every 250 & pids+=($!) ;;
         mtp) train mtp --depth 2 --steps "${MTP_STEPS:-4000}" --batch-size 32 --lr 1e-3 \
                  --eval-every 500 --checkpoint-every 250 & pids+=($!) ;;
-        *) echo "[train_gpu] unknown method $method (eagle3, medusa, mtp)" >&2; exit 2 ;;
     esac
 done
 status=0

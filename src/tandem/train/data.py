@@ -380,6 +380,8 @@ def capture_in_memory(forward_factory, seqs: list[Sequence], layers: tuple[int, 
     bar = tqdm(total=len(ordered), desc=desc, unit="seq", disable=None)
     shards = [_shard_tensors(chunk, forward, layers, batch_size, device, store_dtype, bar) for chunk in chunks]
     bar.close()
+    size = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    log.info("%s: %d sequences, %.2f GB in %s memory", desc, len(ordered), size / 1e9, device)
     return CapturedData.resident(shards, layers, max_prompt_context)
 
 
