@@ -11,15 +11,8 @@ import torch
 from conftest import tiny_loaded
 from tandem.config import EngineConfig
 from tandem.llm import LLM
-from tandem.train.data import (
-    CapturedData,
-    DistillConfig,
-    capture,
-    distill,
-    load_prompts,
-    read_prompt_file,
-    sequences,
-)
+from tandem.train.capture import CapturedData, capture, sequences
+from tandem.train.data import DistillConfig, distill, load_prompts, read_prompt_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,16 +10,8 @@ import torch
 from conftest import tiny_loaded
 from tandem.config import EngineConfig
 from tandem.llm import LLM
-from tandem.train.data import (
-    CapturedData,
-    DistillConfig,
-    capture,
-    capture_in_memory,
-    distill,
-    engine_forward_factory,
-    read_answers,
-    sequences,
-)
+from tandem.train.capture import CapturedData, capture, capture_in_memory, engine_forward_factory, sequences
+from tandem.train.data import DistillConfig, distill, read_answers
 from tandem.train.hf_backend import capture_hf, distill_hf, hf_forward_factory
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,8 @@ from conftest import tiny_loaded
 from tandem.config import EngineConfig
 from tandem.drafters.heads.base import DraftHead, TargetParts, TrainBatch
 from tandem.llm import LLM
-from tandem.train.data import CapturedData, DistillConfig, capture, distill, sequences
+from tandem.train.capture import CapturedData, capture, sequences
+from tandem.train.data import DistillConfig, distill
 from tandem.train.trainer import EvalResult, TrainConfig, lr_factor, simulated_chain_tau, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

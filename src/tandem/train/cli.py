@@ -263,7 +263,7 @@ def _hidden_states(args, target_name: str, model, answers_dir: Path, train_recor
     """The target's hidden states over the answered sequences: (train data, held-out data, capture
     setting), or None when --data-only stops after caching them. model: a tandem LoadedModel (the
     engine backend) or a transformers causal LM."""
-    from tandem.train.data import CapturedData, capture, capture_in_memory, engine_forward_factory, sequences
+    from tandem.train.capture import CapturedData, capture, capture_in_memory, engine_forward_factory, sequences
     from tandem.train.hf_backend import capture_hf, hf_forward_factory
 
     from tandem.model.loader import LoadedModel

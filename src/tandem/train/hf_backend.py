@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.train.data import DistillConfig, Sequence, answer_prompts, write_captures
+from tandem.train.capture import Sequence, write_captures
+from tandem.train.data import DistillConfig, answer_prompts
 
 log = logging.getLogger("tandem.train")
 
@@ -83,13 +84,13 @@ def distill_hf(model, tokenizer, eos_ids: set[int], prompts: list[str], director
 def capture_hf(model, target_name: str, seqs: list[Sequence], directory: str | Path, layers: tuple[int, ...],
                shard_size: int = 64, batch_size: int = 32, store_dtype: torch.dtype = torch.bfloat16,
                desc: str = "capture") -> list[Path]:
-    """`data.capture` through the transformers model."""
+    """`capture.capture` through the transformers model."""
     return write_captures(target_name, len(model.model.layers), hf_forward_factory(model), seqs, directory, layers,
                           shard_size, batch_size, store_dtype, desc)
 
 
 def hf_forward_factory(model):
-    """forward_factory (see data.write_captures) running the transformers model: forward hooks read
+    """forward_factory (see capture.write_captures) running the transformers model: forward hooks read
     the outputs of the wanted decoder layers, and of the final norm for layer L (tandem's layer
     convention)."""
     base = model.model

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tandem.drafters.heads.base import DraftHead, TargetParts
-from tandem.train.data import CapturedData
+from tandem.train.capture import CapturedData
 
 log = logging.getLogger("tandem.train")
 
