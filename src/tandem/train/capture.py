@@ -20,7 +20,6 @@ from tandem.train.data import atomic_write, check_cache_meta
 log = logging.getLogger("tandem.train")
 
 
-
 @dataclass(frozen=True)
 class Sequence:
     """One self-distilled training sequence: prompt + the target's answer."""
