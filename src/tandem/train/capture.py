@@ -79,8 +79,8 @@ def engine_forward_factory(loaded, batch_size: int):
 
 
 def write_captures(target_name: str, num_layers: int, forward_factory, seqs: list[Sequence], directory: str | Path,
-                   layers: tuple[int, ...], shard_size: int, batch_size: int, store_dtype: torch.dtype,
-                   desc: str) -> list[Path]:
+                   layers: tuple[int, ...], shard_size: int = 64, batch_size: int = 8,
+                   store_dtype: torch.dtype = torch.bfloat16, desc: str = "capture") -> list[Path]:
     """The resumable shard loop of `capture`, whatever runs the target.
 
     forward_factory(longest sequence) -> forward(sequences, layers) -> {layer: [hidden [n_s, H] per sequence]}.

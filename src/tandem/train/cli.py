@@ -263,15 +263,17 @@ def _hidden_states(args, target_name: str, model, answers_dir: Path, train_recor
     """The target's hidden states over the answered sequences: (train data, held-out data, capture
     setting), or None when --data-only stops after caching them. model: a tandem LoadedModel (the
     engine backend) or a transformers causal LM."""
-    from tandem.train.capture import CapturedData, capture, capture_in_memory, engine_forward_factory, sequences
-    from tandem.train.hf_backend import capture_hf, hf_forward_factory
-
     from tandem.model.loader import LoadedModel
+    from tandem.train.capture import CapturedData, capture_in_memory, engine_forward_factory, sequences, write_captures
+    from tandem.train.hf_backend import hf_forward_factory
 
-    on_engine = isinstance(model, LoadedModel)
-    if on_engine:
+    if isinstance(model, LoadedModel):  # the engine: few sequences per forward suit a CPU
+        batch, num_layers = 8, model.config.num_layers
+        factory = engine_forward_factory(model, batch)
         setting = {"quantization": model.quantization, "dtype": str(model.dtype).removeprefix("torch.")}
     else:
+        batch, num_layers = 32, len(model.model.layers)
+        factory = hf_forward_factory(model)
         setting = {"quantization": "transformers", "dtype": "float32"}
     context = args.max_prompt_context or None
     train_seqs, held_seqs = sequences(train_records), sequences(held_records)
@@ -280,21 +282,16 @@ def _hidden_states(args, target_name: str, model, answers_dir: Path, train_recor
             print(f"answers for {target_name} cached in {answers_dir}: {len(train_records)} training and "
                   f"{len(held_records)} held-out (hidden states are captured in memory by each training run)")
             return None
-        batch = 8 if on_engine else 32  # the defaults of capture / capture_hf
-        factory = engine_forward_factory(model, batch) if on_engine else hf_forward_factory(model)
         data = capture_in_memory(factory, train_seqs, layers, args.device, context, batch_size=batch,
                                  desc="capture (train)")
         held = capture_in_memory(factory, held_seqs, layers, args.device, context, batch_size=batch,
                                  desc="capture (held out)")
         return data, held, {**setting, "stored": "memory"}
     cap_dir, cap_layers = _capture_plan(answers_dir, layers, args.capture_layers)
-    if on_engine:
-        train_paths = capture(model, train_seqs, cap_dir / "train", cap_layers, desc="capture (train)")
-        held_paths = capture(model, held_seqs, cap_dir / "held_out", cap_layers, desc="capture (held out)")
-    else:
-        train_paths = capture_hf(model, target_name, train_seqs, cap_dir / "train", cap_layers, desc="capture (train)")
-        held_paths = capture_hf(model, target_name, held_seqs, cap_dir / "held_out", cap_layers,
-                                desc="capture (held out)")
+    train_paths = write_captures(target_name, num_layers, factory, train_seqs, cap_dir / "train", cap_layers,
+                                 batch_size=batch, desc="capture (train)")
+    held_paths = write_captures(target_name, num_layers, factory, held_seqs, cap_dir / "held_out", cap_layers,
+                                batch_size=batch, desc="capture (held out)")
     if args.data_only:
         print(f"data for {target_name} cached in {cap_dir.parent}: {len(train_records)} training and "
               f"{len(held_records)} held-out answers, hidden layers {list(cap_layers)}")
