@@ -241,6 +241,15 @@ def test_parse_methods():
         parse_methods(["ngram", "ngram"])
     with pytest.raises(ValueError, match="empty"):
         parse_methods([","])
+    # Tree and length options, so a chain and trees of one drafter run side by side.
+    chain, tree, bare = parse_methods(["eagle3@k=4,eagle3@k=16@topk=4@steps=6@lookup=0", "eagle3"])
+    assert chain == Method("eagle3", num_draft_tokens=4) and chain.label == "eagle3@k=4"
+    assert tree == Method("eagle3", None, 16, 4, 6, False) and tree.label == "eagle3@k=16@topk=4@steps=6@lookup=0"
+    assert bare.label == "eagle3"
+    with pytest.raises(ValueError, match="bad option 'depth=3'"):
+        parse_methods(["eagle3@depth=3"])
+    with pytest.raises(ValueError, match="bad option 'topk=x'"):
+        parse_methods(["eagle3@topk=x"])
 
 
 # ---- the command end to end, on tiny model directories with a real tokenizer ------------------------

@@ -43,6 +43,36 @@ class ScriptedDrafter(Drafter):
         return drafts
 
 
+def scripted_chain(inp, k: int) -> list[int]:
+    """The plain greedy continuation from the installed script, corrupted every `wrong_every`."""
+    ref = SCRIPT["continuations"][tuple(inp.token_ids[: inp.num_prompt_tokens])]
+    done = len(inp.token_ids) - inp.num_prompt_tokens
+    toks = list(ref[done : done + k])
+    toks += [3] * (k - len(toks))
+    every = SCRIPT["wrong_every"]
+    if every:
+        toks = [(t + 1) % 97 if (done + i) % every == every - 1 else t for i, t in enumerate(toks)]
+    return toks
+
+
+@register("test_scripted_tree")
+class ScriptedTreeDrafter(Drafter):
+    """The scripted chain as the second branch of a tree: a decoy branch first, and a decoy
+    sibling beside every scripted node, so acceptance has to pick the right child at every depth."""
+
+    drafts_trees = True
+
+    def propose(self, batch):
+        drafts = []
+        for inp in batch:
+            chain = scripted_chain(inp, min(self.spec.max_draft_len, inp.max_draft_tokens))
+            tree = Draft([(chain[0] + 2) % 97, (chain[0] + 5) % 97], None, [-1, 0])
+            for i, token in enumerate(chain):
+                tree = tree.with_branch(chain[:i] + [(token + 7) % 97]).with_branch(chain[: i + 1])
+            drafts.append(tree)
+        return drafts
+
+
 @register("test_sampled")
 class SampledDrafter(Drafter):
     """Draws drafts from a fixed random distribution q and reports q: exercises the stochastic rule."""
@@ -123,6 +153,35 @@ def test_speculative_greedy_identity_scripted(k, wrong_every):
     else:
         assert stats.acceptance_rate < 1.0
     assert len(spec[0].token_ids) == 25
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+@pytest.mark.parametrize("wrong_every", [0, 2, 5])
+def test_tree_greedy_identity_scripted(depth, wrong_every):
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    spec = SpecConfig(algorithm="test_scripted_tree", num_draft_tokens=2 * depth + 2, eagle_topk=2, num_steps=depth)
+    llm = make_llm(spec=spec)
+    plain = _install_script(llm, params, wrong_every)
+    out = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    stats = out[0].spec
+    assert stats.num_draft_tokens > stats.num_drafts  # several nodes per round
+    if wrong_every == 0:
+        assert stats.mean_acceptance_length > min(depth, 3)  # the scripted branch is found at every depth
+    assert len(stats.accepted_per_position) <= depth
+
+
+@pytest.mark.parametrize("algorithm, tree", [("test_scripted", False), ("test_scripted_tree", True)])
+def test_repetition_penalty_greedy_identity(algorithm, tree):
+    """With a repetition penalty, the target row after draft tokens d_1..d_i penalises them too,
+    as plain decoding would after committing them: speculative output stays plain output."""
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, repetition_penalty=1.8)
+    spec = SpecConfig(algorithm=algorithm, num_draft_tokens=10 if tree else 4, eagle_topk=2 if tree else 1, num_steps=4)
+    llm = make_llm(spec=spec)
+    plain = _install_script(llm, params, 0)
+    out = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert out[0].spec.mean_acceptance_length > 2
 
 
 def test_stops_inside_an_accepted_run():

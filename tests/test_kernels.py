@@ -162,6 +162,38 @@ def test_block_verification_is_bitwise_plain_decoding(arch):
     assert torch.equal(out.rows(0), ref)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3"])
+def test_tree_verification_commits_paths_bitwise_plain_decoding(arch):
+    """A tree verified token by token (batched with a chain), then one accepted path gathered
+    with commit_path: every node's logits and the next forward's equal one-token decoding of
+    that path bit for bit (fused path: llama, mistral; general path: qwen3, gemma3)."""
+    _, model = block_model(arch)
+    prompt = list(range(10, 21))
+    #        0            tokens 40..46
+    #      / | \
+    #     1  2  3
+    #    /|     |
+    #   4 5     6
+    tokens, parents = [40, 41, 42, 43, 44, 45, 46], [-1, 0, 0, 0, 1, 1, 3]
+    paths = [[0], [0, 1], [0, 2], [0, 3], [0, 1, 4], [0, 1, 5], [0, 3, 6]]
+
+    def decoded(path_tokens):
+        plain = runner_for(model)
+        seq = plain.cache.allocate()
+        plain.forward([SeqInput(seq, prompt)])
+        return torch.cat([plain.forward([SeqInput(seq, [t])]).logits for t in path_tokens])
+
+    spec = runner_for(model)
+    s1, s2 = spec.cache.allocate(), spec.cache.allocate()
+    spec.forward([SeqInput(s1, prompt), SeqInput(s2, [7, 8, 9])])
+    out = spec.forward([SeqInput(s1, tokens, parents=parents, logits="all"), SeqInput(s2, [50, 51])], token_by_token=True)
+    for node, path in enumerate(paths):
+        assert torch.equal(out.rows(0)[node], decoded([tokens[i] for i in path])[-1]), node
+    spec.cache.commit_path(s1, [0, 3, 6])
+    after = spec.forward([SeqInput(s1, [47, 48], logits="all")], token_by_token=True).logits
+    assert torch.equal(after, decoded([40, 43, 46, 47, 48])[-2:])
+
+
 def test_models_with_qk_norm_or_sandwich_norms_stay_on_the_general_path():
     for arch in ("qwen3", "gemma3"):
         _, model = block_model(arch)

@@ -146,9 +146,15 @@ def test_fixed_policy_and_num_steps():
     assert p.draft_lengths([DraftSlot("a", 9), DraftSlot("b", 1), DraftSlot("c", 0)]) == [3, 1, 0]
 
 
+def test_tree_depth_defaults():
+    assert SpecConfig(algorithm="eagle3", num_draft_tokens=16, eagle_topk=4).max_draft_len == 5
+    assert SpecConfig(algorithm="eagle3", num_draft_tokens=16, eagle_topk=4, num_steps=7).max_draft_len == 7
+    assert SpecConfig(algorithm="eagle3", num_draft_tokens=3, eagle_topk=2).max_draft_len == 3
+
+
 def test_config_errors_say_what_to_do():
-    with pytest.raises(ValueError, match="tree drafting"):
-        SpecConfig(eagle_topk=2)
+    with pytest.raises(ValueError, match="eagle_topk must be >= 1"):
+        SpecConfig(eagle_topk=0)
     with pytest.raises(ValueError, match="policy must be one of"):
         SpecConfig(policy="greedy")
     with pytest.raises(ValueError, match="num_steps"):

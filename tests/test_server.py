@@ -437,3 +437,20 @@ def test_adaptive_policy_server_is_lossless_under_load():
         assert engine.stats.num_draft_tokens > 0  # the cheap curve made it speculate
     finally:
         server.stop()
+
+
+def test_tree_launch_flags_reach_the_spec_config():
+    import argparse
+
+    from tandem.launch_server import add_serve_args, configs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args([
+        "--speculative-algorithm", "eagle3", "--speculative-num-draft-tokens", "16",
+        "--speculative-eagle-topk", "4", "--speculative-num-steps", "6", "--no-speculative-tree-lookup",
+    ])
+    spec = configs_from_args(args)[0].spec
+    assert (spec.algorithm, spec.num_draft_tokens, spec.eagle_topk, spec.num_steps) == ("eagle3", 16, 4, 6)
+    assert spec.tree and not spec.tree_lookup and spec.max_draft_len == 6
+    assert configs_from_args(parser.parse_args([]))[0].spec.tree_lookup

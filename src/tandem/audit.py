@@ -63,10 +63,16 @@ class AuditReport:
 
 @dataclass
 class _Round:
+    """One round: its draft's tokens, q_1 (sampled chains), the accepted count, the committed
+    tokens, the tokens tried at position 1 (a chain's first draft token; a tree's root children)
+    and whether the accepted path ended at a leaf (the last token is then the bonus)."""
+
     draft: tuple[int, ...]
     q1: torch.Tensor | None
     accepted: int
     committed: list[int]
+    first_tried: tuple[int, ...]
+    at_leaf: bool
 
 
 class Auditor:
@@ -120,7 +126,11 @@ class Auditor:
                     DraftInput(f"audit-{start + i}", self.ctx, len(self.ctx), self.k, self.params, g, self.hidden)
                     for i, g in enumerate(gens)
                 ]
-                drafts = [d.truncated(self.k) for d in drafter.propose(inputs)]
+                drafts = [d.pruned(self.k, self.k) for d in drafter.propose(inputs)]
+                if any(d.is_tree for d in drafts):
+                    out += self._tree_rounds(inputs, drafts, gens)
+                    bar.update(size)
+                    continue
                 fwd = self.runner.forward(
                     [SeqInput(self.rows[i], [self.ctx[-1], *d.token_ids], logits="all") for i, d in enumerate(drafts)]
                 )
@@ -138,14 +148,43 @@ class Auditor:
                 outcomes = []
                 for i, d in enumerate(drafts):
                     committed = result.committed(i)
-                    out.append(_Round(tuple(d.token_ids), None if d.probs is None else d.probs[0], int(result.num_accepted[i]), committed))
-                    outcomes.append(DraftOutcome(inputs[i].request_id, len(d), int(result.num_accepted[i]), committed))
+                    accepted = int(result.num_accepted[i])
+                    out.append(_Round(tuple(d.token_ids), None if d.probs is None else d.probs[0], accepted, committed,
+                                      tuple(d.token_ids[:1]), accepted == len(d)))
+                    outcomes.append(DraftOutcome(inputs[i].request_id, len(d), accepted, committed))
                     self.cache.truncate(self.rows[i], n)
-                drafter.observe(outcomes)
-                for inp in inputs:
-                    drafter.release(inp.request_id)
+                self._finish(inputs, outcomes)
                 bar.update(size)
         return out
+
+    def _tree_rounds(self, inputs: list[DraftInput], drafts: list, gens: list[torch.Generator]) -> list[_Round]:
+        """Tree drafts: one tree forward per batch, each round graded by the tree verifier."""
+        from tandem.engine import engine as engine_module
+
+        n = len(self.ctx) - 1
+        fwd = self.runner.forward([
+            SeqInput(self.rows[i], [self.ctx[-1], *d.token_ids], logits="all",
+                     parents=None if d.parents is None else [-1] + [p + 1 for p in d.parents])
+            for i, d in enumerate(drafts)
+        ])
+        rounds, outcomes = [], []
+        for i, d in enumerate(drafts):
+            parents = d.parents if d.parents is not None else list(range(-1, len(d) - 1))
+            probs = processed_probs(fwd.rows(i), self.params)
+            result = engine_module.verify_tree(probs, d.token_ids, parents, gens[i], self.params.greedy)
+            at_leaf = bool(result.path) and result.path[-1] not in parents
+            first_tried = tuple(t for t, p in zip(d.token_ids, parents) if p < 0)
+            rounds.append(_Round(tuple(d.token_ids), None, len(result.path), result.tokens, first_tried, at_leaf))
+            outcomes.append(DraftOutcome(inputs[i].request_id, len(d), len(result.path), result.tokens))
+            self.cache.truncate(self.rows[i], n)
+        self._finish(inputs, outcomes)
+        return rounds
+
+    def _finish(self, inputs: list[DraftInput], outcomes: list[DraftOutcome]) -> None:
+        drafter = self.engine.drafter
+        drafter.observe(outcomes)
+        for inp in inputs:
+            drafter.release(inp.request_id)
 
 
 def _check(name: str, observed: list[int], expected: torch.Tensor, alpha: float) -> AuditCheck:
@@ -178,13 +217,13 @@ def audit_rounds(auditor: Auditor, rounds: list[_Round], alpha: float) -> list[A
     # Recovered token after rejecting draft position 1, grouped by the (most common) first draft.
     rejected = [r for r in rounds if r.draft and r.accepted == 0]
     if rejected:
-        by_first = collections.Counter(r.draft[0] for r in rejected if r.q1 is None)
+        by_first = collections.Counter(r.first_tried for r in rejected if r.q1 is None)
         p1 = auditor.exact(())
         if by_first and by_first.most_common(1)[0][1] >= len(rejected) / 2:
-            d = by_first.most_common(1)[0][0]
-            group = [r for r in rejected if r.q1 is None and r.draft[0] == d]
+            tried = by_first.most_common(1)[0][0]
+            group = [r for r in rejected if r.q1 is None and r.first_tried == tried]
             residual = p1.clone()
-            residual[d] = 0.0
+            residual[list(tried)] = 0.0
         else:
             group = [r for r in rejected if r.q1 is not None]
             residual = torch.clamp(p1 - group[0].q1.float(), min=0.0) if group else p1
@@ -192,13 +231,14 @@ def audit_rounds(auditor: Auditor, rounds: list[_Round], alpha: float) -> list[A
         checks.append(_check("recovered token (position 1)", obs, residual, a) if residual.sum() > 0 else AuditCheck("recovered token (position 1)", 0))
     else:
         checks.append(AuditCheck("recovered token (position 1)", 0))
-    # Bonus token after the most common fully accepted draft.
-    full = [r for r in rounds if r.draft and r.accepted == len(r.draft)]
-    groups = collections.Counter(r.draft for r in full)
+    # Bonus token after the most common fully accepted path (a chain's whole draft, a tree's
+    # path to a leaf).
+    full = [r for r in rounds if r.draft and r.at_leaf]
+    groups = collections.Counter(tuple(r.committed[:-1]) for r in full)
     if groups:
-        draft, _ = groups.most_common(1)[0]
-        obs = [r.committed[-1] for r in full if r.draft == draft]
-        checks.append(_check("bonus token", obs, auditor.exact(draft), a))
+        path, _ = groups.most_common(1)[0]
+        obs = [r.committed[-1] for r in full if tuple(r.committed[:-1]) == path]
+        checks.append(_check("bonus token", obs, auditor.exact(path), a))
     else:
         checks.append(AuditCheck("bonus token", 0))
     return checks

@@ -28,8 +28,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-algorithm", default=None, help="drafter name (e.g. ngram, suffix)")
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=4,
+                   help="draft tokens per round: a chain's length, a tree's node count (root not counted)")
     p.add_argument("--speculative-draft-model-path", default=None)
+    p.add_argument("--speculative-num-steps", type=int, default=None,
+                   help="draft depth (chains draft min(steps, draft tokens); trees default to 5); SGLang's flag")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1,
+                   help="1: chain drafts; > 1: eagle/eagle3 draft EAGLE-2 trees with this many children per "
+                        "expanded node and this many nodes expanded per depth")
+    p.add_argument("--speculative-tree-lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help="trees also get a suffix-lookup branch (copies from the context)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -62,6 +70,9 @@ def llm_from_args(args):
         speculative_algorithm=getattr(args, "speculative_algorithm", None),
         speculative_num_draft_tokens=getattr(args, "speculative_num_draft_tokens", 4),
         speculative_draft_model_path=getattr(args, "speculative_draft_model_path", None),
+        speculative_num_steps=getattr(args, "speculative_num_steps", None),
+        speculative_eagle_topk=getattr(args, "speculative_eagle_topk", 1),
+        speculative_tree_lookup=getattr(args, "speculative_tree_lookup", True),
     )
 
 

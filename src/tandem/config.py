@@ -63,6 +63,7 @@ class SamplingParams:
 
 
 SPEC_POLICIES = ("fixed", "adaptive")
+TREE_DEPTH = 5  # a tree's depth when --speculative-num-steps is not given
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,14 @@ class SpecConfig:
 
     num_steps: draft depth (SGLang's --speculative-num-steps); a chain drafts
     min(num_steps, num_draft_tokens) tokens, so SGLang's chain setting "3 steps, 4 draft tokens"
-    (which counts the root) drafts 3 here too. eagle_topk: branches per step; only chains (1)
-    exist so far. policy: "fixed" drafts the full length every round; "adaptive" picks each
-    request's length per round from the load, the measured cost curve and its acceptance.
+    (which counts the root) drafts 3 here too. eagle_topk: 1 drafts chains; above 1 an EAGLE
+    head drafts an EAGLE-2 tree: num_steps deep (default TREE_DEPTH), eagle_topk children per
+    expanded node and eagle_topk nodes expanded per depth, the num_draft_tokens most likely
+    nodes kept (the root, the last committed token, not counted). tree_lookup: a tree also
+    gets the suffix drafter's lookup draft grafted on as one more branch (model-free; it wins
+    where the answer copies its context: translation, summaries, RAG). policy: "fixed" drafts the
+    full length every round; "adaptive" picks each request's length (a tree's depth) per round
+    from the load, the measured cost curve and its acceptance.
     """
 
     algorithm: str | None = None
@@ -83,6 +89,7 @@ class SpecConfig:
     ngram_min: int = 1
     num_steps: int | None = None
     eagle_topk: int = 1
+    tree_lookup: bool = True
     policy: str = "fixed"
 
     def __post_init__(self) -> None:
@@ -94,18 +101,18 @@ class SpecConfig:
             raise ValueError(f"speculative_num_steps must be >= 1, got {self.num_steps}")
         if self.eagle_topk < 1:
             raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.eagle_topk}")
-        if self.eagle_topk > 1:
-            raise ValueError(
-                f"speculative_eagle_topk {self.eagle_topk} needs tree drafting, which tandem does not "
-                "have yet; use --speculative-eagle-topk 1 (chain drafts)"
-            )
         if self.policy not in SPEC_POLICIES:
             raise ValueError(f"speculative policy must be one of {SPEC_POLICIES}, got {self.policy!r}")
 
     @property
+    def tree(self) -> bool:
+        return self.eagle_topk > 1
+
+    @property
     def max_draft_len(self) -> int:
-        """The longest chain one round may draft."""
-        return min(self.num_steps or self.num_draft_tokens, self.num_draft_tokens)
+        """The longest chain (deepest tree path) one round may draft."""
+        default = TREE_DEPTH if self.tree else self.num_draft_tokens
+        return min(self.num_steps or default, self.num_draft_tokens)
 
 
 @dataclass(frozen=True)

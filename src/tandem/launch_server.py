@@ -32,10 +32,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     for action in p._actions:  # the shared flag, with what it means for the server
         if action.dest == "speculative_algorithm":
             action.help = "drafter name; default: the model's default drafter (DEFAULT_DRAFTERS); none: plain decoding"
-    p.add_argument("--speculative-num-steps", type=int, default=None,
-                   help="draft depth (chains draft min(steps, draft tokens)); SGLang's flag")
-    p.add_argument("--speculative-eagle-topk", type=int, default=SpecConfig.eagle_topk,
-                   help="branches per draft step (only 1, chains, is built)")
     p.add_argument("--speculative-policy", default=SERVE_POLICY, choices=SPEC_POLICIES,
                    help="adaptive: draft length per request per step from load, cost curve and acceptance; "
                         "fixed: always --speculative-num-draft-tokens")
@@ -68,6 +64,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         draft_model_path=args.speculative_draft_model_path,
         num_steps=args.speculative_num_steps,
         eagle_topk=args.speculative_eagle_topk,
+        tree_lookup=args.speculative_tree_lookup,
         policy=args.speculative_policy,
     )
     engine = EngineConfig(

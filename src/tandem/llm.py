@@ -47,11 +47,17 @@ class LLM:
         speculative_algorithm: str | None = None,
         speculative_num_draft_tokens: int = 4,
         speculative_draft_model_path: str | None = None,
+        speculative_num_steps: int | None = None,
+        speculative_eagle_topk: int = 1,
+        speculative_tree_lookup: bool = True,
     ) -> None:
         spec = SpecConfig(
             algorithm=speculative_algorithm,
             num_draft_tokens=speculative_num_draft_tokens,
             draft_model_path=speculative_draft_model_path,
+            num_steps=speculative_num_steps,
+            eagle_topk=speculative_eagle_topk,
+            tree_lookup=speculative_tree_lookup,
         )
         self.config = EngineConfig(
             model=model,

@@ -30,6 +30,20 @@ class Draft:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    @property
+    def depth(self) -> int:
+        """The longest root-to-leaf path: how many tokens one round can accept at most."""
+        if self.parents is None:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths, default=0)
+
     @classmethod
     def empty(cls) -> "Draft":
         return cls(token_ids=[])
@@ -41,6 +55,45 @@ class Draft:
         probs = self.probs[:k] if self.probs is not None else None
         parents = self.parents[:k] if self.parents is not None else None
         return Draft(self.token_ids[:k], probs, parents)
+
+    def with_branch(self, tokens: list[int]) -> "Draft":
+        """This deterministic draft as a tree with the chain `tokens` grafted onto its root:
+        the chain follows existing nodes while their tokens match and adds the rest as new
+        nodes (after all others, so parents still precede children)."""
+        if self.probs is not None:
+            raise ValueError("only deterministic drafts take a grafted branch")
+        ids = list(self.token_ids)
+        parents = list(self.parents) if self.parents is not None else list(range(-1, len(ids) - 1))
+        children: dict[tuple[int, int], int] = {(p, t): n for n, (p, t) in enumerate(zip(parents, ids))}
+        node = -1
+        for token in tokens:
+            child = children.get((node, token))
+            if child is None:
+                child = len(ids)
+                ids.append(token)
+                parents.append(node)
+                children[(node, token)] = child
+            node = child
+        return Draft(ids, None, parents)
+
+    def pruned(self, max_depth: int, max_nodes: int) -> "Draft":
+        """A chain cut to max_depth tokens; a tree without its nodes deeper than max_depth, then
+        cut to its first max_nodes nodes (parents precede children, so it stays a tree)."""
+        if self.parents is None:
+            return self.truncated(min(max_depth, max_nodes))
+        depths: list[int] = []
+        keep: list[int] = []
+        index: dict[int, int] = {}
+        for node, p in enumerate(self.parents):
+            depths.append(1 if p < 0 else depths[p] + 1)
+            if depths[-1] <= max_depth and (p < 0 or p in index) and len(keep) < max_nodes:
+                index[node] = len(keep)
+                keep.append(node)
+        if len(keep) == len(self.token_ids):
+            return self
+        probs = self.probs[keep] if self.probs is not None else None
+        parents = [-1 if self.parents[n] < 0 else index[self.parents[n]] for n in keep]
+        return Draft([self.token_ids[n] for n in keep], probs, parents)
 
 
 @dataclass
@@ -75,8 +128,9 @@ class SpecStats:
     num_forwards: int = 0
     num_committed_tokens: int = 0
 
-    def record_round(self, drafted: int, accepted: int, committed: int) -> None:
-        """One target forward graded `drafted` tokens, accepted `accepted`, committed `committed`."""
+    def record_round(self, drafted: int, accepted: int, committed: int, depth: int | None = None) -> None:
+        """One target forward graded `drafted` tokens, accepted `accepted`, committed `committed`.
+        depth: a tree's depth (its positions are depths; a chain's depth is its length)."""
         self.num_forwards += 1
         self.num_committed_tokens += committed
         if drafted == 0:
@@ -84,12 +138,13 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        if len(self.accepted_per_position) < drafted:
-            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        positions = drafted if depth is None else depth
+        if len(self.accepted_per_position) < positions:
+            self.accepted_per_position.extend([0] * (positions - len(self.accepted_per_position)))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
         # Position i is graded when every earlier draft token passed; the first rejection ends it.
-        graded = min(drafted, accepted + 1)
+        graded = min(positions, accepted + 1)
         if len(self.graded_per_position) < graded:
             self.graded_per_position.extend([0] * (graded - len(self.graded_per_position)))
         for i in range(graded):
@@ -114,7 +169,8 @@ class SpecStats:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        """P(draft token i passes | tokens before it passed), from the rounds that graded it."""
+        """P(draft token i passes | tokens before it passed), from the rounds that graded it
+        (trees: P(a node at depth i passes | the accepted path reached depth i - 1))."""
         return [a / g if g else 0.0 for a, g in zip(self.accepted_per_position, self.graded_per_position)]
 
     @classmethod

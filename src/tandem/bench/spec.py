@@ -52,23 +52,39 @@ DEFINITIONS = {
 
 @dataclass(frozen=True)
 class Method:
-    """A tandem drafter to benchmark: a registry name, the file it needs (if any) and its k
-    (None: the run's default)."""
+    """A tandem drafter to benchmark: a registry name, the file it needs (if any), its k (None:
+    the run's default) and, for trees, its top-k, depth and lookup branch."""
 
     algorithm: str
     draft_path: str | None = None
     num_draft_tokens: int | None = None
+    eagle_topk: int = 1
+    num_steps: int | None = None
+    tree_lookup: bool = True
 
     @property
     def label(self) -> str:
         name = self.algorithm
         if self.draft_path:
             name += f"({os.path.basename(os.path.normpath(self.draft_path))})"
-        return name if self.num_draft_tokens is None else f"{name}@k={self.num_draft_tokens}"
+        if self.num_draft_tokens is not None:
+            name += f"@k={self.num_draft_tokens}"
+        if self.eagle_topk > 1:
+            name += f"@topk={self.eagle_topk}"
+        if self.num_steps is not None:
+            name += f"@steps={self.num_steps}"
+        if self.eagle_topk > 1 and not self.tree_lookup:
+            name += "@lookup=0"
+        return name
+
+
+# NAME[=PATH]@key=value options of --methods, and the Method field each sets.
+METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_steps", "lookup": "tree_lookup"}
 
 
 def parse_methods(items: list[str]) -> list[Method]:
-    """`ngram`, `suffix`, `draft_model=PATH` ...: space- or comma-separated, any registered name."""
+    """`ngram`, `suffix`, `draft_model=PATH`, `eagle3@k=16@topk=4@steps=5` ...: space- or
+    comma-separated, any registered name, with options after `@`."""
     from tandem.drafters import available_drafters
 
     known = available_drafters()
@@ -77,12 +93,20 @@ def parse_methods(items: list[str]) -> list[Method]:
         item = item.strip()
         if not item:
             continue
-        name, _, path = item.partition("=")
+        head, *options = item.split("@")
+        name, _, path = head.partition("=")
         if name not in known:
             raise ValueError(f"unknown drafter {name!r} in --methods; registered: {', '.join(known)}")
         if name == PLAIN:
             raise ValueError("plain decoding is always the baseline; do not list it in --methods")
-        methods.append(Method(name, path or None))
+        fields: dict = {}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key not in METHOD_OPTIONS or not value.isdigit():
+                raise ValueError(f"bad option {option!r} in --methods item {item!r}; use @k=N, @topk=N, @steps=N "
+                                 "or @lookup=0|1")
+            fields[METHOD_OPTIONS[key]] = bool(int(value)) if key == "lookup" else int(value)
+        methods.append(Method(name, path or None, **fields))
     if not methods:
         raise ValueError("--methods is empty; name at least one drafter")
     labels = [m.label for m in methods]
@@ -251,7 +275,8 @@ def _tandem_config(name: str, loaded, method: Method | None, num_draft_tokens: i
         spec = SpecConfig(num_draft_tokens=num_draft_tokens)
     else:
         spec = SpecConfig(algorithm=method.algorithm, num_draft_tokens=method.num_draft_tokens or num_draft_tokens,
-                          draft_model_path=method.draft_path)
+                          draft_model_path=method.draft_path, eagle_topk=method.eagle_topk,
+                          num_steps=method.num_steps, tree_lookup=method.tree_lookup)
     llm = LLM.from_loaded(loaded, EngineConfig(model=loaded.name, max_model_len=max_model_len, max_num_seqs=1, spec=spec))
     probe = None
     if llm.engine.drafter is not None:
@@ -328,7 +353,8 @@ def run_spec_bench(
         "max_new_tokens": max_new_tokens,
         "num_prompts": len(cases),
         "methods": [{"label": m.label, "algorithm": m.algorithm, "draft_path": m.draft_path,
-                     "num_draft_tokens": m.num_draft_tokens or num_draft_tokens} for m in methods],
+                     "num_draft_tokens": m.num_draft_tokens or num_draft_tokens, "eagle_topk": m.eagle_topk,
+                     "num_steps": m.num_steps, "tree_lookup": m.tree_lookup} for m in methods],
         "transformers": baselines.describe() if baselines else None,
         "definitions": DEFINITIONS,
         "machine": machine_info(),

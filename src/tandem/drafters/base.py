@@ -84,16 +84,24 @@ class DraftOutcome:
 
 
 class Drafter(ABC):
-    """Proposes draft tokens; the engine verifies them against the target."""
+    """Proposes draft tokens; the engine verifies them against the target.
+
+    drafts_trees: the drafter can propose trees (SpecConfig.eagle_topk > 1); the others refuse it.
+    """
 
     needs: DrafterNeeds = DrafterNeeds()
+    drafts_trees: bool = False
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
+        name = getattr(self, "method_name", type(self).__name__)
         # SpecConfig validates this too; checked here so a duck-typed spec cannot slip through.
         if spec.num_draft_tokens < 1:
+            raise ValueError(f"{name} drafter needs num_draft_tokens >= 1, got {spec.num_draft_tokens}")
+        if getattr(spec, "eagle_topk", 1) > 1 and not self.drafts_trees:
+            tree_drafters = ", ".join(n for n, cls in sorted(_REGISTRY.items()) if cls.drafts_trees)
             raise ValueError(
-                f"{getattr(self, 'method_name', type(self).__name__)} drafter needs num_draft_tokens >= 1, "
-                f"got {spec.num_draft_tokens}"
+                f"the {name} drafter drafts chains only: use --speculative-eagle-topk 1, or a tree "
+                f"drafter ({tree_drafters})"
             )
         self.spec = spec
         self.target = target

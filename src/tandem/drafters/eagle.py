@@ -7,26 +7,47 @@ has seen. Each round (ALGORITHMS.md section 3):
    the last row gives draft token 1;
 2. step s >= 1 feeds (draft token s, the layer's own previous output) at the next position;
 3. the draft steps' cache slots are dropped again: next round's keys come from true features.
+
+With --speculative-eagle-topk K > 1 the drafter grows an EAGLE-2 tree instead: the root's top K
+tokens form depth 1; at each further depth the K nodes with the highest path log-probability
+(draft confidence) are fed through the layer at once, each seeing the prefix and its own path,
+and each gets its top K children; finally the num_draft_tokens most likely nodes are kept. The
+children are the head's top-k, so the tree is deterministic (no q), which the tree verifier
+grades losslessly under greedy and sampling alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from tandem.drafters.base import DraftInput, register
+from tandem.drafters.base import DraftInput, DraftOutcome, register
 from tandem.drafters.heads.block import RowCache
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
+from tandem.drafters.suffix import SuffixDrafter
 from tandem.types import Draft
 
 
 @register("eagle")
 class EagleDrafter(HeadDrafter):
+    drafts_trees = True
+
     def __init__(self, spec, target) -> None:
         super().__init__(spec, target)
         self.caches: dict[str, RowCache] = {}
+        self.lookup = None
+        if spec.tree and spec.tree_lookup:
+            self.lookup = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1), target)
+
+    def observe(self, outcomes: list[DraftOutcome]) -> None:
+        if self.lookup is not None:
+            self.lookup.observe(outcomes)
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
+        if self.lookup is not None:
+            self.lookup.release(request_id)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
@@ -34,6 +55,16 @@ class EagleDrafter(HeadDrafter):
         drafts = [Draft.empty() for _ in batch]
         rows = [i for i, inp in enumerate(batch) if all(len(inp.hidden.get(layer, ())) for layer in layers)]
         if not rows:
+            return drafts
+        if self.spec.tree:
+            branches = [[] for _ in rows]
+            if self.lookup is not None:
+                depth = self.spec.max_draft_len
+                inputs = [dataclasses.replace(batch[i], max_draft_tokens=min(depth, batch[i].max_draft_tokens)) for i in rows]
+                branches = [d.token_ids for d in self.lookup.propose(inputs)]
+            for i, branch in zip(rows, branches):
+                # The lookup branch's nodes come out of the tree's budget.
+                drafts[i] = self._propose_tree(batch[i], self.spec.num_draft_tokens - len(branch)).with_branch(branch)
             return drafts
         inputs = [batch[i] for i in rows]
         seen = [self.seen_ids(inp) for inp in inputs]
@@ -68,6 +99,54 @@ class EagleDrafter(HeadDrafter):
             drafts[rows[j]] = make_draft(tokens[j], qs[j])
         return drafts
 
+    def _propose_tree(self, inp: DraftInput, size: int) -> Draft:
+        """One request's EAGLE-2 tree of at most `size` nodes (see the module docstring)."""
+        head, topk = self.head, self.spec.eagle_topk
+        depth = min(self.spec.max_draft_len, inp.max_draft_tokens)
+        cache = self._catch_up_cache(inp)
+        root_feat = self._catch_up(inp, cache)  # [1, H]
+        prefix = cache.length
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        slot_of: dict[int, int] = {}  # node -> its cache slot once fed through the layer
+        frontier, feats, frontier_scores = [-1], root_feat, torch.zeros(1, device=self.device)
+        for d in range(1, depth + 1):
+            logits = head.head_logits(feats, self.parts).float()  # [F, V']
+            if not torch.isfinite(logits).all():
+                break  # a broken head row: verify what the tree has so far
+            logp, ids = torch.log_softmax(logits, -1).topk(topk, dim=-1)  # [F, K]
+            child_scores = (frontier_scores[:, None] + logp).flatten()
+            target_ids = ids.flatten() if self.draft_ids is None else self.draft_ids[ids.flatten()]
+            first = len(tokens)
+            for n, (token, score) in enumerate(zip(target_ids.tolist(), child_scores.tolist())):
+                tokens.append(token)
+                parents.append(frontier[n // topk])
+                scores.append(score)
+            if d == depth:
+                break
+            # Expand the K most likely new nodes: feed (node token, feature that produced it).
+            best = child_scores.topk(min(topk, len(child_scores))).indices
+            expand = [first + int(i) for i in best]
+            parent_rows = torch.div(best, topk, rounding_mode="floor")
+            ids_in = torch.tensor([tokens[n] for n in expand], device=self.device)
+            resid, attn_in = head.layer_input(self.parts.embed(ids_in).float().unsqueeze(0), feats[parent_rows].unsqueeze(0))
+            position = len(inp.token_ids) - 2 + d
+            positions = torch.full((1, len(expand)), position, device=self.device)
+            for j, n in enumerate(expand):
+                slot_of[n] = cache.length + j
+            mask = torch.zeros(len(expand), cache.length + len(expand), dtype=torch.bool, device=self.device)
+            mask[:, :prefix] = True
+            for j, n in enumerate(expand):
+                node = n
+                while node >= 0:
+                    mask[j, slot_of[node]] = True
+                    node = parents[node]
+            feats = head.block.step(resid, attn_in, positions, [cache], masks=[mask])[0]  # [K, H]
+            frontier, frontier_scores = expand, child_scores[best]
+        cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
+        return best_subtree(tokens, parents, scores, size)
+
     def _catch_up_cache(self, inp: DraftInput) -> RowCache:
         """The request's cache, holding exactly the positions before its new hidden rows. Rows
         that never arrived (a round the engine did not ask for a draft) cannot be recovered: the
@@ -95,3 +174,26 @@ class EagleDrafter(HeadDrafter):
 @register("eagle3")
 class Eagle3Drafter(EagleDrafter):
     """The same drafting loop; the head fuses three target layers and drafts over its own vocab."""
+
+
+def best_subtree(tokens: list[int], parents: list[int], scores: list[float], size: int) -> Draft:
+    """The `size` nodes with the highest path scores (log-probabilities, which never rise along
+    a path, so a kept node's parent is kept too), ordered by depth: parents before children."""
+    order = sorted(range(len(tokens)), key=lambda n: -scores[n])[:size]
+    kept = set(order)
+    # A tie between a parent and its child (log p = 0 in float32) may have ranked the child
+    # higher: keep each kept node's ancestors, dropping the lowest-scoring leaves to make room.
+    for n in list(order):
+        p = parents[n]
+        while p >= 0 and p not in kept:
+            kept.add(p)
+            p = parents[p]
+    depth: dict[int, int] = {}
+    for n in range(len(tokens)):
+        depth[n] = 0 if parents[n] < 0 else depth[parents[n]] + 1
+    while len(kept) > size:
+        leaves = [n for n in kept if not any(parents[c] == n for c in kept)]
+        kept.remove(min(leaves, key=lambda n: scores[n]))
+    nodes = sorted(kept, key=lambda n: (depth[n], n))
+    index = {n: i for i, n in enumerate(nodes)}
+    return Draft([tokens[n] for n in nodes], None, [-1 if parents[n] < 0 else index[parents[n]] for n in nodes])

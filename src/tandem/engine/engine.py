@@ -25,6 +25,7 @@ from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy, create_policy
 from tandem.types import Draft, SpecStats
 from tandem.verify.chain import verify_chain
+from tandem.verify.tree import verify_tree
 
 log = logging.getLogger("tandem.engine")
 
@@ -142,27 +143,36 @@ class Engine:
         drafts = self._propose(batch)
         verify_start = time.perf_counter()
         inputs = [
-            SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all") for r, d in zip(batch, drafts)
+            SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all",
+                     parents=None if d.parents is None else [-1] + [p + 1 for p in d.parents])
+            for r, d in zip(batch, drafts)
         ]
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
-        # Token by token attention: each verified token sees exactly what plain decoding would.
+        # Token by token attention: each verified token (tree node) sees exactly what plain
+        # decoding of its path would.
         out = self.runner.forward(inputs, needs, token_by_token=True)
         updates, outcomes = [], []
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             try:
-                tokens, accepted = self._grade(out.rows(b), req, draft)
+                tokens, path = self._grade(out.rows(b), req, draft)
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
+            accepted = len(path)
             # Keep the KV of next_token + accepted drafts; the recovered/bonus token is the next input.
-            self.cache.truncate(req.seq, self.cache.last_start[req.seq] + 1 + accepted)
-            kept = {layer: h[b][: accepted + 1] for layer, h in out.hidden.items()}
+            rows = [0] + [node + 1 for node in path]
+            if draft.is_tree:
+                self.cache.commit_path(req.seq, rows)
+            else:
+                self.cache.truncate(req.seq, self.cache.last_start[req.seq] + 1 + accepted)
+            kept = {layer: h[b][rows] for layer, h in out.hidden.items()}
             if req.hidden_delivered or not req.hidden:
                 req.hidden = kept
             else:  # the drafter sat this round out: it must still see these rows
                 req.hidden = {layer: torch.cat([req.hidden[layer], rows]) for layer, rows in kept.items()}
             req.hidden_delivered = False
-            update = self._commit(req, tokens, drafted=len(draft), accepted=accepted)
+            update = self._commit(req, tokens, drafted=len(draft), accepted=accepted,
+                                  depth=draft.depth if draft.is_tree else None)
             updates.append(update)
             if self.policy is not None:
                 self.policy.observe(req.request_id, len(draft), accepted)
@@ -191,7 +201,7 @@ class Engine:
         t0 = time.perf_counter()
         proposed = self.drafter.propose(inputs) if inputs else []
         for i, inp, draft in zip(rows, inputs, proposed):
-            drafts[i] = draft.truncated(inp.max_draft_tokens)
+            drafts[i] = draft.pruned(inp.max_draft_tokens, self._cache_room(batch[i]))
         if inputs:
             self.policy.observe_draft_time(time.perf_counter() - t0, sum(len(drafts[i]) for i in rows))
         return drafts
@@ -201,8 +211,11 @@ class Engine:
         the configured length, never past its max_tokens (the bonus token is free) or the
         cache's end."""
         remaining = req.params.max_tokens - len(req.output_ids) - 1
-        room = self.config.max_model_len - self.cache.lengths[req.seq] - 1
-        return max(0, min(self.config.spec.max_draft_len, remaining, room))
+        return max(0, min(self.config.spec.max_draft_len, remaining, self._cache_room(req)))
+
+    def _cache_room(self, req: Request) -> int:
+        """How many draft tokens (tree nodes) fit in the cache after next_token."""
+        return self.config.max_model_len - self.cache.lengths[req.seq] - 1
 
     def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
         if req.params.greedy and req.params.repetition_penalty == 1.0:
@@ -212,11 +225,17 @@ class Engine:
         probs = processed_probs(logits[-1:], req.params, self._seen(req))
         return int(sample(probs, req.generator)[0])
 
-    def _grade(self, logits: torch.Tensor, req: Request, draft: Draft) -> tuple[list[int], int]:
-        """Target logits [k+1, V] for [next_token, d_1..d_k] -> committed tokens, accepted count."""
+    def _grade(self, logits: torch.Tensor, req: Request, draft: Draft) -> tuple[list[int], list[int]]:
+        """Target logits [n+1, V] for [next_token, d_1..d_n] -> committed tokens and the accepted
+        draft nodes (a chain's are 0..accepted-1)."""
         if not draft.token_ids:
-            return [self._sample_one(logits, req)], 0
-        probs = processed_probs(logits, req.params, self._seen(req))
+            return [self._sample_one(logits, req)], []
+        probs = self._target_probs(logits, req, draft)
+        if draft.is_tree:
+            if draft.probs is not None:
+                raise ValueError("tree drafts must be deterministic (top-k children); sampled trees are not supported")
+            result = verify_tree(probs, draft.token_ids, draft.parents, req.generator, req.params.greedy)
+            return result.tokens, result.path
         result = verify_chain(
             probs.unsqueeze(0),
             torch.tensor([draft.token_ids]),
@@ -225,18 +244,38 @@ class Engine:
             [req.generator],
             [req.params.greedy],
         )
-        return result.committed(0), int(result.num_accepted[0])
+        accepted = int(result.num_accepted[0])
+        return result.committed(0), list(range(accepted))
+
+    def _target_probs(self, logits: torch.Tensor, req: Request, draft: Draft) -> torch.Tensor:
+        """Each row processed exactly as plain sampling would process it at that point: with a
+        repetition penalty, row i also penalises the draft tokens on its path."""
+        if req.params.repetition_penalty == 1.0:
+            return processed_probs(logits, req.params)
+        context = set(req.context)
+        paths = [[]] + [[i] for i in range(len(draft))]
+        if draft.is_tree:
+            for node, parent in enumerate(draft.parents):
+                paths[node + 1] = (paths[parent + 1] if parent >= 0 else []) + [node]
+        else:
+            for node in range(1, len(draft)):
+                paths[node + 1] = paths[node] + [node]
+        rows = []
+        for row, path in enumerate(paths):
+            seen = torch.tensor(sorted(context | {draft.token_ids[i] for i in path}), dtype=torch.long)
+            rows.append(processed_probs(logits[row : row + 1], req.params, seen))
+        return torch.cat(rows)
 
     def _seen(self, req: Request) -> torch.Tensor | None:
         if req.params.repetition_penalty == 1.0:
             return None
         return torch.tensor(sorted(set(req.context)), dtype=torch.long)
 
-    def _commit(self, req: Request, tokens: list[int], drafted: int, accepted: int) -> StepUpdate:
+    def _commit(self, req: Request, tokens: list[int], drafted: int, accepted: int, depth: int | None = None) -> StepUpdate:
         kept = req.append(tokens, self.tokenizer)
         req.next_token = tokens[kept - 1] if kept else req.next_token
-        req.stats.record_round(drafted, min(accepted, kept), kept)
-        self.stats.record_round(drafted, min(accepted, kept), kept)
+        req.stats.record_round(drafted, min(accepted, kept), kept, depth)
+        self.stats.record_round(drafted, min(accepted, kept), kept, depth)
         if req not in self.running and not req.finished:
             self.running.append(req)
         return StepUpdate(req, tokens[:kept], req.take_new_text())

@@ -11,8 +11,9 @@ framework ops in between):
 
 Every token's numbers are computed in a fixed order that does not depend on how many tokens or
 sequences share the call, so verifying k drafted tokens reproduces k one-token decoding steps bit
-for bit. Used for chains of up to FUSED_MAX_TOKENS new tokens per sequence (decode and
-verification; longer prefills take the general path) when every linear of the model runs on
+for bit. Used for every verification forward (chains and trees, whatever their length) and
+other chains of up to FUSED_MAX_TOKENS new tokens per sequence (longer ones and prefills take the
+general path) when every linear of the model runs on
 the block kernels and the architecture has no q/k norms or sandwich norms (Llama, SmolLM2,
 Mistral, Qwen2).
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.model.kernels import RMS_NORM, SWIGLU, GEGLU, BlockKernels, block_kernels
+from tandem.model.kernels import RMS_NORM, SWIGLU, GEGLU, BlockKernels, TreeKeys, block_kernels
 from tandem.model.quant import BlockQ4Linear, BlockQ8Linear
 from tandem.model.transformer import TransformerLM
 
@@ -62,10 +63,11 @@ class FusedDecoder:
         return cls(model, kernels) if kernels is not None else None
 
     def forward(self, tokens: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cache,
-                hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                hidden_layers: tuple[int, ...], tree: TreeKeys | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """tokens, seq, slot: int64 [N] (token t goes to cache row seq[t] at slot[t]; a sequence's
-        tokens are consecutive and in order). Returns the last layer's output [N, H] (before the
-        final norm) and the requested layers' outputs."""
+        tokens are consecutive and in order); tree: what tree nodes attend to (kernels.TreeKeys).
+        Returns the last layer's output [N, H] (before the final norm) and the requested layers'
+        outputs."""
         model, k, cfg = self.model, self.kernels, self.model.cfg
         eps = cfg.rms_norm_eps
         x = model.embed_tokens(tokens).float().contiguous()
@@ -74,7 +76,7 @@ class FusedDecoder:
         for li, (qkv_w, o_w, gu_w, down_w, attn_norm, mlp_norm, window) in enumerate(self.layers):
             qkv = k.linear(x, *qkv_w, transform=RMS_NORM, norm_weight=attn_norm, eps=eps)
             attn = k.attend(qkv, seq, slot, cos, sin, cache.k[li], cache.v[li], cfg.num_heads,
-                            cfg.num_kv_heads, window, cfg.attn_scale)
+                            cfg.num_kv_heads, window, cfg.attn_scale, tree)
             k.linear(attn, *o_w, residual=x, out=x)
             gate_up = k.linear(x, *gu_w, transform=RMS_NORM, norm_weight=mlp_norm, eps=eps)
             k.linear(gate_up, *down_w, transform=self.activation, residual=x, out=x)

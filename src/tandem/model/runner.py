@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.model.fused import FUSED_MAX_TOKENS, FusedDecoder
+from tandem.model.kernels import TreeKeys
 from tandem.model.kv_cache import KVCache
 from tandem.model.quant import prefill_rows
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
@@ -72,6 +73,26 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     return anc
 
 
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each tree node (0 for a node hanging off the committed prefix)."""
+    depths: list[int] = []
+    for t, p in enumerate(parents):
+        if p >= t:
+            raise ValueError(f"tree parents must precede children; node {t} has parent {p}")
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    """Each node's path from its root to itself (node indices, root first)."""
+    paths: list[list[int]] = []
+    for t, p in enumerate(parents):
+        if p >= t:
+            raise ValueError(f"tree parents must precede children; node {t} has parent {p}")
+        paths.append((paths[p] if p >= 0 else []) + [t])
+    return paths
+
+
 class ModelRunner:
     def __init__(self, model: TransformerLM, cache: KVCache) -> None:
         self.model = model
@@ -92,7 +113,10 @@ class ModelRunner:
         each new token its own attention call over exactly the keys it would see if decoded
         alone: a verification forward then reproduces plain decoding bit for bit wherever the
         linears are row-independent (the int4/int8 kernels are; MKL's fp32 GEMM is not quite).
-        Trees run as one padded, masked call.
+        Tree nodes (SeqInput.parents) with token_by_token read the prefix and then their own
+        path, in the order decoding that path would read them after `KVCache.commit_path`: an
+        accepted path's numbers are plain decoding's. Without token_by_token trees run as one
+        padded, masked call.
         """
         if not inputs:
             raise ValueError("forward needs at least one sequence")
@@ -100,9 +124,13 @@ class ModelRunner:
             if not inp.token_ids:
                 raise ValueError(f"sequence {inp.seq} has no new tokens")
         T = max(len(i.token_ids) for i in inputs)
-        if self.fused is not None and all(
-            i.parents is None and i.positions is None and len(i.token_ids) <= FUSED_MAX_TOKENS and not i.prefill
-            for i in inputs
+        for inp in inputs:
+            if inp.parents is not None and inp.positions is None:
+                inp.positions = [self.cache.lengths[inp.seq] + d for d in tree_depths(inp.parents)]
+        # Verification (token_by_token) of any length takes the fused path: a verified token must
+        # match decoding bit for bit. Other forwards take it for short chains.
+        if self.fused is not None and all(not i.prefill and (i.positions is None or i.parents is not None) for i in inputs) and (
+            token_by_token or all(i.parents is None and len(i.token_ids) <= FUSED_MAX_TOKENS for i in inputs)
         ):
             return self._forward_fused(inputs, hidden_layers)
         model, cache = self.model, self.cache
@@ -141,10 +169,24 @@ class ModelRunner:
         """Chains through the fused kernels: flat rows, one attention per token (see fused.py)."""
         cache, model = self.cache, self.model
         tokens, seqs, slots, rows, offsets, bounds = [], [], [], [], [0], [0]
+        trees = any(i.parents is not None for i in inputs)
+        pos, his, key_off, keys = [], [], [0], []  # TreeKeys, built only when a tree is present
         for inp in inputs:
             n = len(inp.token_ids)
             start = cache.reserve(inp.seq, n)
-            cache.slot_positions[inp.seq, start : start + n] = torch.arange(start, start + n)
+            positions = list(range(start, start + n)) if inp.positions is None else list(inp.positions)
+            cache.slot_positions[inp.seq, start : start + n] = torch.tensor(positions)
+            if trees:
+                pos.extend(positions)
+                if inp.parents is None:
+                    his.extend(range(start + 1, start + n + 1))
+                    key_off.extend([key_off[-1]] * n)
+                else:
+                    self._check_tree_window(inp, positions)
+                    for path in tree_paths(inp.parents):
+                        his.append(start)
+                        keys.extend(start + node for node in path)
+                        key_off.append(len(keys))
             base = len(tokens)
             tokens.extend(inp.token_ids)
             seqs.extend([inp.seq] * n)
@@ -153,8 +195,11 @@ class ModelRunner:
             rows.extend(base + t for t in idx)
             offsets.append(offsets[-1] + len(idx))
             bounds.append(base + n)
+        tree = None
+        if trees:
+            tree = TreeKeys(torch.tensor(pos), torch.tensor(his), torch.tensor(key_off), torch.tensor(keys, dtype=torch.long))
         x, by_layer = self.fused.forward(
-            torch.tensor(tokens), torch.tensor(seqs), torch.tensor(slots), cache, hidden_layers
+            torch.tensor(tokens), torch.tensor(seqs), torch.tensor(slots), cache, hidden_layers, tree
         )
         L = model.cfg.num_layers
         if L in hidden_layers:
@@ -196,7 +241,7 @@ class ModelRunner:
             cos=cos,
             sin=sin,
         )
-        if all(i.parents is None for i in inputs):
+        if token_by_token or all(i.parents is None for i in inputs):
             plan.segments = self._segments(inputs, starts, lens, positions, token_by_token)
         else:
             plan.read_seqs = torch.tensor([i.seq for i in inputs], device=device)
@@ -210,7 +255,13 @@ class ModelRunner:
         decoding computes. A multi-token segment (prefill) is one causal masked call."""
         segments = []
         for b, (inp, start, n) in enumerate(zip(inputs, starts, lens)):
-            if token_by_token or n == 1:
+            if inp.parents is not None:
+                self._check_tree_window(inp, positions[b, :n].tolist())
+                for t, path in enumerate(tree_paths(inp.parents)):
+                    lo = {w: 0 if w is None else max(0, int(positions[b, t]) - w + 1) for w in self.windows}
+                    keys = torch.tensor([start + node for node in path], device=self.device)
+                    segments.append(AttentionSegment(b, inp.seq, t, t + 1, start, lo, dict.fromkeys(self.windows), keys))
+            elif token_by_token or n == 1:
                 for t in range(n):
                     p = start + t
                     lo = {w: 0 if w is None else max(0, int(positions[b, t]) - w + 1) for w in self.windows}
@@ -220,6 +271,13 @@ class ModelRunner:
                 masks = {w: self._mask([inp], [start], [n], n, hi, positions[b : b + 1, :n], w) for w in self.windows}
                 segments.append(AttentionSegment(b, inp.seq, 0, n, hi, dict.fromkeys(self.windows, 0), masks))
         return segments
+
+    def _check_tree_window(self, inp: SeqInput, positions: list[int]) -> None:
+        """Token by token, a tree node reads its whole path: every path must fit in the
+        narrowest sliding window (a depth of thousands is no draft anyone makes)."""
+        narrowest = min((w for w in self.windows if w is not None), default=None)
+        if narrowest is not None and max(positions) - min(positions) >= narrowest:
+            raise ValueError(f"sequence {inp.seq}: a tree deeper than the sliding window ({narrowest})")
 
     def _mask(self, inputs, starts, lens, T, read_len, positions, window) -> torch.Tensor | None:
         """[B, 1, T, read_len] bool attention mask, or None when every key is visible.

@@ -73,7 +73,8 @@ class LayerCache:
 @dataclass
 class AttentionSegment:
     """One attention call: queries t0:t1 of batch row b against keys [lo[window], hi) of cache
-    row `seq`, with masks[window] ([1, 1, t1 - t0, hi - lo] bool) or None for no mask."""
+    row `seq`, with masks[window] ([1, 1, t1 - t0, hi - lo] bool) or None for no mask; then,
+    for a tree node, the slots `keys` (its path, root first)."""
 
     b: int
     seq: int
@@ -82,6 +83,7 @@ class AttentionSegment:
     hi: int
     lo: dict[int | None, int]
     masks: dict[int | None, torch.Tensor | None]
+    keys: torch.Tensor | None = None
 
 
 @dataclass
@@ -174,10 +176,13 @@ class DecoderLayer(nn.Module):
             attn = None if len(plan.segments) == 1 else qt.new_zeros(qt.shape)
             for seg in plan.segments:
                 lo = seg.lo[self.window]
+                keys = cache.k[seg.seq : seg.seq + 1, :, lo : seg.hi]
+                values = cache.v[seg.seq : seg.seq + 1, :, lo : seg.hi]
+                if seg.keys is not None:
+                    keys = torch.cat([keys, cache.k[seg.seq : seg.seq + 1, :, seg.keys]], dim=2)
+                    values = torch.cat([values, cache.v[seg.seq : seg.seq + 1, :, seg.keys]], dim=2)
                 out = F.scaled_dot_product_attention(
-                    qt[seg.b : seg.b + 1, :, seg.t0 : seg.t1],
-                    cache.k[seg.seq : seg.seq + 1, :, lo : seg.hi],
-                    cache.v[seg.seq : seg.seq + 1, :, lo : seg.hi],
+                    qt[seg.b : seg.b + 1, :, seg.t0 : seg.t1], keys, values,
                     attn_mask=seg.masks[self.window], scale=cfg.attn_scale, enable_gqa=gqa,
                 )
                 if attn is None:

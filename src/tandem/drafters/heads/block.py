@@ -179,16 +179,19 @@ class DraftBlock(nn.Module):
     def new_cache(self, device: torch.device, origin: int = 0) -> RowCache:
         return RowCache(self.kv_heads, self.head_dim, self.mlp_norm.weight.dtype, device, origin=origin)
 
-    def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache], gap: int = 1) -> torch.Tensor:
+    def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache], gap: int = 1,
+             masks: list[torch.Tensor] | None = None) -> torch.Tensor:
         """R requests, t new tokens each: x [R, t, H], attn_in [R, t, Din], positions [R, t].
         Appends the new keys to each request's cache and attends over it (one call per request,
-        no padding: a request's numbers do not depend on the batch)."""
+        no padding: a request's numbers do not depend on the batch). masks: per request a [t, n]
+        bool over its cache slots after the append (tree drafts: the prefix and the node's own
+        path) instead of the positional rule."""
         q, k, v = self.qkv_heads(attn_in, positions)
         outs = []
         for r, cache in enumerate(caches):
             cache.append(k[r], v[r], positions[r])
             n = cache.length
-            mask = visible(positions[r], cache.positions[:n], gap)[None, None]
+            mask = (visible(positions[r], cache.positions[:n], gap) if masks is None else masks[r])[None, None]
             outs.append(
                 F.scaled_dot_product_attention(
                     q[r : r + 1], cache.k[None, :, :n], cache.v[None, :, :n], attn_mask=mask, scale=self.scale,

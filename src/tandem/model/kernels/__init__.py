@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,7 +53,8 @@ class _LinearArgs(ctypes.Structure):
 class _AttendArgs(ctypes.Structure):
     _fields_ = [
         ("qkv", ctypes.c_void_p), ("T", ctypes.c_int64), ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64),
-        ("D", ctypes.c_int64), ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p),
+        ("D", ctypes.c_int64), ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p),
+        ("hi", ctypes.c_void_p), ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p),
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p),
         ("M", ctypes.c_int64), ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
         ("threads", ctypes.c_int),
@@ -115,18 +117,37 @@ class BlockKernels:
 
     def attend(self, qkv: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, window: int | None,
-               scale: float) -> torch.Tensor:
+               scale: float, tree: "TreeKeys | None" = None) -> torch.Tensor:
         """Per token t: RoPE(q, k) at position slot[t], k/v written to the cache row seq[t] at
-        slot[t], attention over that row's slots [lo, slot[t]] -> [T, num_heads * D]."""
+        slot[t], attention over that row's slots [lo, slot[t]] -> [T, num_heads * D].
+
+        tree: tree nodes instead (see TreeKeys): RoPE at tree.pos[t], attention over slots
+        [lo, tree.hi[t]) and then the node's own path of slots.
+        """
         T = qkv.shape[0]
         D = cos.shape[1]
         out = torch.empty(T, num_heads * D, dtype=torch.float32)
+        pos, hi, key_off, keys = (None,) * 4 if tree is None else (tree.pos, tree.hi, tree.key_off, tree.keys)
         args = _AttendArgs(
-            _ptr(qkv), T, num_heads, num_kv_heads, D, _ptr(seq), _ptr(slot), _ptr(cos), _ptr(sin),
-            _ptr(k_cache), _ptr(v_cache), k_cache.shape[2], window or 0, scale, _ptr(out), torch.get_num_threads(),
+            _ptr(qkv), T, num_heads, num_kv_heads, D, _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
+            _ptr(keys), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[2], window or 0, scale,
+            _ptr(out), torch.get_num_threads(),
         )
         self._attend(ctypes.byref(args))
         return out
+
+
+@dataclass(frozen=True)
+class TreeKeys:
+    """What each of T tree tokens attends to, as int64 CPU tensors: rope position pos [T], the
+    committed prefix slots [lo, hi[t]), then slots keys[key_off[t]:key_off[t + 1]] (root first,
+    the node itself last). The key order is the one decoding the node's path token by token reads
+    after the path is gathered into contiguous slots, so the node's numbers match that decoding's."""
+
+    pos: torch.Tensor
+    hi: torch.Tensor
+    key_off: torch.Tensor
+    keys: torch.Tensor
 
 
 def _build(out: Path) -> None:

@@ -341,7 +341,14 @@ struct AttendArgs {
   const float* qkv;        // [T, (Hq + 2 * Hkv) * D] rows: q heads, k heads, v heads
   int64_t T, Hq, Hkv, D;
   const int64_t* seq;      // [T] cache row of each token
-  const int64_t* slot;     // [T] slot (= position) each token's k/v goes to
+  const int64_t* slot;     // [T] slot each token's k/v goes to
+  const int64_t* pos;      // [T] rope position of each token, or null: the slot (chains)
+  // Tree nodes: token t attends to slots [lo, hi[t]) (the committed prefix) and then to
+  // keys[key_off[t] .. key_off[t + 1]) (its ancestors and itself, root first): the keys, in the
+  // order, that decoding its path one token at a time would read. Null: slots [lo, slot[t]].
+  const int64_t* hi;
+  const int64_t* key_off;
+  const int64_t* keys;
   const float* cos;        // [P, D] rope tables (sin sign-folded: rot(x) = roll(x, D/2) * sin)
   const float* sin;
   float* kcache;           // [S, Hkv, M, D]
@@ -373,8 +380,9 @@ void attend(const AttendArgs& a) {
   // Phase 1: rotate k and write k, v of every token (later tokens of a chain attend to them).
   for (int64_t t = 0; t < T; ++t) {
     const float* row = a.qkv + t * width;
-    const float* c = a.cos + a.slot[t] * D;
-    const float* s = a.sin + a.slot[t] * D;
+    const int64_t p = a.pos ? a.pos[t] : a.slot[t];
+    const float* c = a.cos + p * D;
+    const float* s = a.sin + p * D;
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t at = ((a.seq[t] * Hkv + h) * M + a.slot[t]) * D;
       rope_into(row + (Hq + h) * D, c, s, D, a.kcache + at);
@@ -389,27 +397,34 @@ void attend(const AttendArgs& a) {
 #pragma omp for schedule(static)
     for (int64_t th = 0; th < T * Hq; ++th) {
       const int64_t t = th / Hq, h = th % Hq, kvh = h / group;
-      const int64_t hi = a.slot[t] + 1;
-      const int64_t lo = a.window > 0 && hi > a.window ? hi - a.window : 0;
-      rope_into(a.qkv + t * width + h * D, a.cos + a.slot[t] * D, a.sin + a.slot[t] * D, D, q.data());
+      const int64_t p = a.pos ? a.pos[t] : a.slot[t];
+      const int64_t hi = a.hi ? a.hi[t] : a.slot[t] + 1;
+      const int64_t lo = a.window > 0 && p + 1 > a.window ? p + 1 - a.window : 0;
+      const int64_t* extra = a.key_off ? a.keys + a.key_off[t] : nullptr;
+      const int64_t num_extra = a.key_off ? a.key_off[t + 1] - a.key_off[t] : 0;
+      const int64_t n = std::max<int64_t>(hi - lo, 0) + num_extra;
+      rope_into(a.qkv + t * width + h * D, a.cos + p * D, a.sin + p * D, D, q.data());
       const float* K = a.kcache + (a.seq[t] * Hkv + kvh) * M * D;
       const float* V = a.vcache + (a.seq[t] * Hkv + kvh) * M * D;
-      scores.resize(hi - lo);
+      // The i-th key read: the contiguous range first, then the listed slots.
+      auto key_slot = [&](int64_t i) { return i < n - num_extra ? lo + i : extra[i - (n - num_extra)]; };
+      scores.resize(n);
       float mx = -INFINITY;
-      for (int64_t j = lo; j < hi; ++j) {
-        scores[j - lo] = dot_d(q.data(), K + j * D, D) * a.scale;
-        mx = std::fmax(mx, scores[j - lo]);
+      for (int64_t i = 0; i < n; ++i) {
+        scores[i] = dot_d(q.data(), K + key_slot(i) * D, D) * a.scale;
+        mx = std::fmax(mx, scores[i]);
       }
       float total = 0.f;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = lo; j < hi; ++j) {
-        const float e = std::exp(scores[j - lo] - mx);
+      for (int64_t i = 0; i < n; ++i) {
+        const float e = std::exp(scores[i] - mx);
+        const float* v = V + key_slot(i) * D;
         total += e;
         const __m256 ev = _mm256_set1_ps(e);
         int64_t k = 0;
         for (; k + 8 <= D; k += 8)
-          _mm256_storeu_ps(acc.data() + k, _mm256_fmadd_ps(ev, _mm256_loadu_ps(V + j * D + k), _mm256_loadu_ps(acc.data() + k)));
-        for (; k < D; ++k) acc[k] += e * V[j * D + k];
+          _mm256_storeu_ps(acc.data() + k, _mm256_fmadd_ps(ev, _mm256_loadu_ps(v + k), _mm256_loadu_ps(acc.data() + k)));
+        for (; k < D; ++k) acc[k] += e * v[k];
       }
       float* o = a.out + t * Hq * D + h * D;
       const float inv = 1.f / total;
