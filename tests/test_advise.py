@@ -159,5 +159,7 @@ def test_advise_rejects_bad_input(tmp_path, capsys):
     assert main(["advise", "--drafters", "nope", "--limit", "1"]) == 2
     assert main(["advise", "--limit", "0"]) == 2
     assert main(["advise", "--prompts", str(tmp_path / "missing.txt")]) == 2
+    assert main(["advise", "--drafters", "eagle3@k=16@topk=4", "--limit", "1"]) == 2
     err = capsys.readouterr().err
     assert "unknown drafter 'nope'" in err and "--limit must be >= 1" in err and "prompt file not found" in err
+    assert "drop the @ options of eagle3@k=16@topk=4" in err

@@ -146,6 +146,22 @@ def test_fixed_policy_and_num_steps():
     assert p.draft_lengths([DraftSlot("a", 9), DraftSlot("b", 1), DraftSlot("c", 0)]) == [3, 1, 0]
 
 
+def test_trees_are_costed_at_their_node_budget():
+    """A tree verifies num_draft_tokens + 1 tokens per request whatever its depth: on the CPU
+    curve a 32-node tree committing 4 tokens per round loses to plain decoding, a 4-node one
+    wins; on a cheap curve the big tree drafts deep."""
+    def tree(curve, nodes):
+        spec = SpecConfig(algorithm="eagle3", num_draft_tokens=nodes, eagle_topk=4, num_steps=5, policy="adaptive")
+        policy = AdaptivePolicy(spec, curve)
+        for _ in range(12):
+            policy.observe("r0", 5, 3)  # depth 5, three levels passed every round
+        return policy
+
+    assert tree(CPU, 32).draft_lengths(slots(1, limit=5)) == [0]
+    assert tree(CPU, 4).draft_lengths(slots(1, limit=5))[0] > 0
+    assert tree(CHEAP, 32).draft_lengths(slots(1, limit=5)) == [5]
+
+
 def test_tree_depth_defaults():
     assert SpecConfig(algorithm="eagle3", num_draft_tokens=16, eagle_topk=4).max_draft_len == 5
     assert SpecConfig(algorithm="eagle3", num_draft_tokens=16, eagle_topk=4, num_steps=7).max_draft_len == 7

@@ -49,3 +49,26 @@ def test_shipped_drafter_is_lossless_on_the_real_model(head_dir):
     got = spec.generate(prompts, params, chat=True)
     assert [o.token_ids for o in got] == want
     assert sum(o.spec.num_accepted_tokens for o in got) > 0
+
+
+@pytest.mark.slow
+def test_shipped_eagle3_trees_are_lossless_on_the_real_model():
+    """Trees through the block kernels' tree attention, batched (two requests of different
+    lengths): greedy output equals plain decoding, and the tree commits more per forward than
+    the chain does."""
+    from tandem.config import EngineConfig, SamplingParams, SpecConfig
+    from tandem.llm import LLM
+
+    plain = LLM(max_model_len=512)
+    prompts = ["Explain in three sentences why the sky is blue.",
+               "Translate into French: The cat sleeps on the warm windowsill every afternoon."]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    want = [o.token_ids for o in plain.generate(prompts, params, chat=True)]
+    taus = {}
+    for topk, nodes in ((1, 4), (4, 16)):
+        spec = LLM.from_loaded(plain.loaded, EngineConfig(max_model_len=512, spec=SpecConfig(
+            algorithm="eagle3", num_draft_tokens=nodes, eagle_topk=topk)))
+        got = spec.generate(prompts, params, chat=True)
+        assert [o.token_ids for o in got] == want
+        taus[topk] = spec.engine.stats.mean_acceptance_length
+    assert taus[4] > taus[1]

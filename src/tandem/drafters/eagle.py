@@ -115,20 +115,21 @@ class EagleDrafter(HeadDrafter):
             logits = head.head_logits(feats, self.parts).float()  # [F, V']
             if not torch.isfinite(logits).all():
                 break  # a broken head row: verify what the tree has so far
-            logp, ids = torch.log_softmax(logits, -1).topk(topk, dim=-1)  # [F, K]
+            k = min(topk, logits.shape[-1])
+            logp, ids = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [F, k]
             child_scores = (frontier_scores[:, None] + logp).flatten()
             target_ids = ids.flatten() if self.draft_ids is None else self.draft_ids[ids.flatten()]
             first = len(tokens)
             for n, (token, score) in enumerate(zip(target_ids.tolist(), child_scores.tolist())):
                 tokens.append(token)
-                parents.append(frontier[n // topk])
+                parents.append(frontier[n // k])
                 scores.append(score)
             if d == depth:
                 break
             # Expand the K most likely new nodes: feed (node token, feature that produced it).
             best = child_scores.topk(min(topk, len(child_scores))).indices
             expand = [first + int(i) for i in best]
-            parent_rows = torch.div(best, topk, rounding_mode="floor")
+            parent_rows = torch.div(best, k, rounding_mode="floor")
             ids_in = torch.tensor([tokens[n] for n in expand], device=self.device)
             resid, attn_in = head.layer_input(self.parts.embed(ids_in).float().unsqueeze(0), feats[parent_rows].unsqueeze(0))
             position = len(inp.token_ids) - 2 + d

@@ -19,7 +19,7 @@ from tandem.drafters import DraftInput, DraftOutcome, Drafter, TargetInfo, creat
 from tandem.engine.request import Request
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
-from tandem.model.runner import ModelRunner, SeqInput
+from tandem.model.runner import ModelRunner, SeqInput, tree_paths
 from tandem.sampling import NonFiniteLogitsError, make_generator, processed_probs, sample
 from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy, create_policy
@@ -160,12 +160,12 @@ class Engine:
                 continue
             accepted = len(path)
             # Keep the KV of next_token + accepted drafts; the recovered/bonus token is the next input.
-            rows = [0] + [node + 1 for node in path]
+            kept_rows = [0] + [node + 1 for node in path]
             if draft.is_tree:
-                self.cache.commit_path(req.seq, rows)
+                self.cache.commit_path(req.seq, kept_rows)
             else:
                 self.cache.truncate(req.seq, self.cache.last_start[req.seq] + 1 + accepted)
-            kept = {layer: h[b][rows] for layer, h in out.hidden.items()}
+            kept = {layer: h[b][kept_rows] for layer, h in out.hidden.items()}
             if req.hidden_delivered or not req.hidden:
                 req.hidden = kept
             else:  # the drafter sat this round out: it must still see these rows
@@ -175,7 +175,7 @@ class Engine:
                                   depth=draft.depth if draft.is_tree else None)
             updates.append(update)
             if self.policy is not None:
-                self.policy.observe(req.request_id, len(draft), accepted)
+                self.policy.observe(req.request_id, draft.depth, accepted)
             outcomes.append(DraftOutcome(req.request_id, len(draft), accepted, update.new_token_ids))
         if self.drafter is not None:
             # The runner pads every sequence to the longest: the forward covers B * T tokens.
@@ -203,7 +203,7 @@ class Engine:
         for i, inp, draft in zip(rows, inputs, proposed):
             drafts[i] = draft.pruned(inp.max_draft_tokens, self._cache_room(batch[i]))
         if inputs:
-            self.policy.observe_draft_time(time.perf_counter() - t0, sum(len(drafts[i]) for i in rows))
+            self.policy.observe_draft_time(time.perf_counter() - t0, sum(drafts[i].depth for i in rows))
         return drafts
 
     def _draft_budget(self, req: Request) -> int:
@@ -253,13 +253,7 @@ class Engine:
         if req.params.repetition_penalty == 1.0:
             return processed_probs(logits, req.params)
         context = set(req.context)
-        paths = [[]] + [[i] for i in range(len(draft))]
-        if draft.is_tree:
-            for node, parent in enumerate(draft.parents):
-                paths[node + 1] = (paths[parent + 1] if parent >= 0 else []) + [node]
-        else:
-            for node in range(1, len(draft)):
-                paths[node + 1] = paths[node] + [node]
+        paths = [[]] + tree_paths(draft.parents if draft.is_tree else list(range(-1, len(draft) - 1)))
         rows = []
         for row, path in enumerate(paths):
             seen = torch.tensor(sorted(context | {draft.token_ids[i] for i in path}), dtype=torch.long)

@@ -112,10 +112,10 @@ class SpeculationPolicy(ABC):
         """One draft length per slot, each in [0, slot.limit]; 0 turns speculation off for it."""
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        """A request's draft of `drafted` tokens had its first `accepted` accepted."""
+        """A request's draft of `drafted` tokens (a tree: its depth) had its first `accepted` accepted."""
 
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
-        """The drafter spent `seconds` proposing `tokens` tokens (for the whole batch)."""
+        """The drafter spent `seconds` proposing `tokens` tokens (trees: depth levels) for the batch."""
 
     def observe_round(self, tokens: int, seconds: float) -> None:
         """A verification round over `tokens` (padded) tokens took `seconds`, drafting excluded."""
@@ -144,7 +144,9 @@ class AdaptivePolicy(SpeculationPolicy):
     tau_r(k) = 1 + sum_{j<k} prod_{i<=j} a_r[i] tokens per forward with k drafts. The verification
     forward pads every request to the longest chain, so with a common cap K it covers
     B * (K + 1) tokens and costs curve(B * (K + 1)) (the runner's [B, T] layout), plus the
-    drafter's time; `curve` is the profile corrected by measured rounds (LiveCurve). For each K in
+    drafter's time; `curve` is the profile corrected by measured rounds (LiveCurve). Trees
+    (eagle_topk > 1): K is the depth, a_r[i] the acceptance at depth i, and each request is
+    costed at its full node budget, num_draft_tokens + 1 tokens, whatever K (an upper bound). For each K in
     0..k_max each request drafts min(K, limit, useful) where `useful` drops positions whose
     expected tokens cost more draft time than they save; the K with the best tokens/second wins
     if it beats plain decoding (K = 0: B tokens per curve(B)) by MIN_GAIN. As the batch grows the curve turns linear and K falls to 0: speculation switches
@@ -168,6 +170,7 @@ class AdaptivePolicy(SpeculationPolicy):
             raise ValueError(f"prior acceptance must be in [0, 1], got {prior}")
         self.curve = LiveCurve(curve)
         self.k_max = spec.max_draft_len
+        self.tree_tokens = spec.num_draft_tokens + 1 if spec.tree else None
         self.prior = prior
         self.min_gain = min_gain
         self.global_acceptance = [prior] * self.k_max
@@ -200,7 +203,7 @@ class AdaptivePolicy(SpeculationPolicy):
             ks = [min(K, len(s)) for s in survival]
             if max(ks) < K:
                 break  # no request can use a chain this long: larger K would repeat the last one
-            T = K + 1
+            T = self.tree_tokens or K + 1
             committed = B + sum(sum(s[:k]) for s, k in zip(survival, ks))
             seconds = self.curve(B * T) + self.draft_seconds_per_token * sum(ks)
             rate = committed / seconds
