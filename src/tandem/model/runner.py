@@ -25,7 +25,7 @@ class SeqInput:
     parents: None for a causal chain (token t sees tokens < t); for a tree, parents[t] is the
     index of t's parent among the new tokens (-1 = hangs off the committed prefix), parents
     before children. positions default to consecutive positions after the committed prefix
-    (trees: give prefix_len + depth; siblings share a position). logits: which new-token
+    (trees: prefix_len + depth, so siblings share a position). logits: which new-token
     indices need logits ("last", "all", or a list). prefill: the tokens are a prompt's, which
     every run computes the same way, so they may take the block kernels' prefill path (fp32
     over dequantized weights: fast for many rows, other numbers than decoding's). Decoded and
