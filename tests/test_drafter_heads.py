@@ -200,40 +200,39 @@ def prefill_hidden(llm: LLM, ctx: list[int]) -> dict[int, torch.Tensor]:
     return {layer: h[0] for layer, h in out.hidden.items()}
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20)],
-                         ids=["t1", "t0.7-top20"])
-@pytest.mark.parametrize("variant", list(METHODS))
-def test_sampling_follows_the_target_distribution(variant, params, saved):
-    llm = make_llm(variant, saved(variant), k=2)
+def audit(llm: LLM, params: SamplingParams, seed: int):
+    """The auditor's rounds from PROMPTS[0]; head drafters also get the prefill's hidden states
+    (the audit drafts from the context alone)."""
     ctx = PROMPTS[0]
     hidden = prefill_hidden(llm, ctx)
     drafter = llm.engine.drafter
     propose = drafter.propose
-    # The audit drafts from the context alone; head drafters also read the prefill's hidden states.
     drafter.propose = lambda batch: propose([dataclasses.replace(inp, hidden=hidden) for inp in batch])
     auditor = Auditor(llm.engine, ctx, params, batch=64)
-    rounds = auditor.run(1536, seed=1)
+    rounds = auditor.run(1536, seed=seed)
+    return rounds, audit_rounds(auditor, rounds, alpha=1e-3)
+
+
+SAMPLING = pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20)],
+                                   ids=["t1", "t0.7-top20"])
+
+
+@SAMPLING
+@pytest.mark.parametrize("variant", list(METHODS))
+def test_sampling_follows_the_target_distribution(variant, params, saved):
+    rounds, checks = audit(make_llm(variant, saved(variant), k=2), params, seed=1)
     assert sum(len(r.draft) for r in rounds) == 2 * len(rounds)  # every round drafted in full
-    checks = audit_rounds(auditor, rounds, alpha=1e-3)
     ran = [c for c in checks if c.passed is not None]
     assert len(ran) >= 3, checks
     assert all(c.passed for c in ran), checks
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20)],
-                         ids=["t1", "t0.7-top20"])
+@SAMPLING
 @pytest.mark.parametrize("variant", TREE_VARIANTS)
 def test_tree_sampling_follows_the_target_distribution(variant, params, saved):
     llm = make_llm(variant, saved(variant), k=16, eagle_topk=2, num_steps=3)  # every candidate kept
-    ctx = PROMPTS[0]
-    hidden = prefill_hidden(llm, ctx)
-    drafter = llm.engine.drafter
-    propose = drafter.propose
-    drafter.propose = lambda batch: propose([dataclasses.replace(inp, hidden=hidden) for inp in batch])
-    auditor = Auditor(llm.engine, ctx, params, batch=64)
-    rounds = auditor.run(1536, seed=2)
+    rounds, checks = audit(llm, params, seed=2)
     assert any(len(r.first_tried) >= 2 for r in rounds)  # trees: several candidates at position 1
-    checks = audit_rounds(auditor, rounds, alpha=1e-3)
     ran = [c for c in checks if c.passed is not None]
     # Positions 1 and 2 always gather enough rounds; the recovered and bonus groups may not (a
     # tree rarely rejects every candidate on this sharp target).
