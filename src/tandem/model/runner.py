@@ -166,7 +166,7 @@ class ModelRunner:
         return ForwardOutput(model.logits(selected), offsets, hidden)
 
     def _forward_fused(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
-        """Chains through the fused kernels: flat rows, one attention per token (see fused.py)."""
+        """Chains and trees through the fused kernels: flat rows, one attention per token (see fused.py)."""
         cache, model = self.cache, self.model
         tokens, seqs, slots, rows, offsets, bounds = [], [], [], [], [0], [0]
         trees = any(i.parents is not None for i in inputs)
