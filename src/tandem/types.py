@@ -37,12 +37,14 @@ class Draft:
     @property
     def depth(self) -> int:
         """The longest root-to-leaf path: how many tokens one round can accept at most."""
-        if self.parents is None:
-            return len(self.token_ids)
+        return len(self.token_ids) if self.parents is None else max(self._node_depths(), default=0)
+
+    def _node_depths(self) -> list[int]:
+        """Each tree node's depth (1 for the root's children)."""
         depths: list[int] = []
         for p in self.parents:
             depths.append(1 if p < 0 else depths[p] + 1)
-        return max(depths, default=0)
+        return depths
 
     @classmethod
     def empty(cls) -> "Draft":
@@ -81,12 +83,10 @@ class Draft:
         cut to its first max_nodes nodes (parents precede children, so it stays a tree)."""
         if self.parents is None:
             return self.truncated(min(max_depth, max_nodes))
-        depths: list[int] = []
         keep: list[int] = []
         index: dict[int, int] = {}
-        for node, p in enumerate(self.parents):
-            depths.append(1 if p < 0 else depths[p] + 1)
-            if depths[-1] <= max_depth and (p < 0 or p in index) and len(keep) < max_nodes:
+        for node, (p, depth) in enumerate(zip(self.parents, self._node_depths())):
+            if depth <= max_depth and (p < 0 or p in index) and len(keep) < max_nodes:
                 index[node] = len(keep)
                 keep.append(node)
         if len(keep) == len(self.token_ids):

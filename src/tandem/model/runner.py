@@ -73,16 +73,6 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     return anc
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of each tree node (0 for a node hanging off the committed prefix)."""
-    depths: list[int] = []
-    for t, p in enumerate(parents):
-        if p >= t:
-            raise ValueError(f"tree parents must precede children; node {t} has parent {p}")
-        depths.append(0 if p < 0 else depths[p] + 1)
-    return depths
-
-
 def tree_paths(parents: list[int]) -> list[list[int]]:
     """Each node's path from its root to itself (node indices, root first)."""
     paths: list[list[int]] = []
@@ -126,7 +116,7 @@ class ModelRunner:
         T = max(len(i.token_ids) for i in inputs)
         for inp in inputs:
             if inp.parents is not None and inp.positions is None:
-                inp.positions = [self.cache.lengths[inp.seq] + d for d in tree_depths(inp.parents)]
+                inp.positions = [self.cache.lengths[inp.seq] + len(path) - 1 for path in tree_paths(inp.parents)]
         # Verification (token_by_token) of any length takes the fused path: a verified token must
         # match decoding bit for bit. Other forwards take it for short chains.
         if self.fused is not None and all(not i.prefill and (i.positions is None or i.parents is not None) for i in inputs) and (

@@ -9,6 +9,7 @@ the longest path whose tokens equal the argmax of their parent's target row.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ def verify_tree(
     while True:
         p = target_probs[node + 1]
         total = float(p.sum())
-        if not torch.isfinite(torch.tensor(total)):
+        if not math.isfinite(total):
             raise NonFiniteLogitsError("target probabilities contain NaN or inf")
         if total <= 0:
             raise ValueError("target probabilities have no mass")
@@ -101,6 +102,6 @@ def _try_children(
             return child, residual
         residual[token] = 0.0
         mass = float(residual.sum())
-    if float(residual.sum()) <= 0:  # every token with mass was a rejected child (rounding)
+    if mass <= 0:  # every token with mass was a rejected child (rounding)
         residual = p.float().clone()
     return None, residual
