@@ -101,3 +101,32 @@ def tiny_loaded(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.f
 
     hf, ours = build_tiny(arch, seed, dtype)
     return hf, LoadedModel(ours, ToyTokenizer(), ours.cfg, f"tiny-{arch}", dtype, "none")
+
+
+# Every path the quantized linears can take: tandem's block-kernel variants (kernels.VARIANTS)
+# and torch's int4/int8 kernels. Tests that take `kernel_path` run once per path this CPU
+# supports and skip the others with the reason.
+KERNEL_PATHS = ("avx512", "vnni256", "avx2", "torch")
+BLOCK_PATHS = KERNEL_PATHS[:-1]
+
+
+def _use_kernel_path(name: str, monkeypatch) -> str:
+    from tandem.model import kernels
+
+    if name != "torch" and name not in kernels.supported_variants():
+        supported = ", ".join(kernels.supported_variants()) or "none"
+        pytest.skip(f"this CPU cannot run the {name} kernels (it runs: {supported})")
+    monkeypatch.setenv("TANDEM_KERNELS", name)
+    return name
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def kernel_path(request, monkeypatch):
+    """TANDEM_KERNELS set to one path (a block-kernel variant or torch) for the test."""
+    return _use_kernel_path(request.param, monkeypatch)
+
+
+@pytest.fixture(params=BLOCK_PATHS)
+def block_variant(request, monkeypatch):
+    """TANDEM_KERNELS set to one block-kernel variant for the test."""
+    return _use_kernel_path(request.param, monkeypatch)

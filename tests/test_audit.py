@@ -1,31 +1,47 @@
-"""`tandem audit` passes a correct pipeline and fails deliberately broken ones (it has power)."""
+"""`tandem audit` passes a correct pipeline and fails deliberately broken ones (it has power).
+
+Every negative control names the check that must catch its bug. The audit and the engine grade
+through the same `grading.grade_round`, so a bug planted in the grading is one the engine has.
+"""
 
 import pytest
 import torch
 
 from conftest import tiny_loaded
-from tandem.audit import run_audit
+from tandem.audit import Auditor, binned_check, detectable_tv, make_bins, run_audit, samples_to_detect
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters import Drafter, register
-from tandem.engine import engine as engine_module
 from tandem.engine.engine import Engine
 from tandem.sampling import processed_probs
 from tandem.types import Draft
-from tandem.verify import chain
+from tandem.verify import chain, grading, tree
+from tandem.verify.stats import total_variation, tv_bound
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PARAMS = SamplingParams(temperature=0.4, top_k=3, max_tokens=8)
 PROMPT = [5, 17, 33, 8, 91, 4, 17, 33]
+# The tiny target's own greedy continuation of PROMPT loops on 51 12, so a repetition penalty
+# moves its distributions a lot (TV 0.4 at position 1, 0.2 at position 2 after the first draft).
+PENALTY_PROMPT = PROMPT + [51, 12, 51, 12, 51, 12]
+PENALTY = SamplingParams(temperature=0.7, top_k=5, repetition_penalty=2.0, max_tokens=8)
 
 
-def _target_q(inp, ctx, mix=0.75):
-    """q close to the target's own processed distribution (high acceptance, many bonus rounds)."""
+def target_logits(ctx):
+    """The tiny target's logits after ctx: [1, V], from a fresh cache."""
     _, loaded = tiny_loaded("llama")
     from tandem.model.kv_cache import KVCache
     from tandem.model.runner import ModelRunner, SeqInput
 
     r = ModelRunner(loaded.model, KVCache(loaded.config, 1, 64, torch.float32))
-    logits = r.forward([SeqInput(r.cache.allocate(), ctx)]).logits
-    p = processed_probs(logits, inp.params)[0]
+    return r.forward([SeqInput(r.cache.allocate(), ctx)]).logits
+
+
+def _target_q(inp, ctx, mix=0.75):
+    """q close to the target's own processed distribution (high acceptance, many bonus rounds)."""
+    logits = target_logits(ctx)
+    seen = torch.tensor(sorted(set(ctx))) if inp.params.repetition_penalty != 1.0 else None
+    p = processed_probs(logits, inp.params, seen)[0]
     flat = processed_probs(torch.zeros_like(logits), inp.params)[0]
     return mix * p + (1 - mix) * flat
 
@@ -57,6 +73,23 @@ class SoftQForArgmaxDrafter(NearTargetDrafter):
     soft_q_for_argmax = True
 
 
+@register("test_audit_tree")
+class TopTwoTreeDrafter(Drafter):
+    """A deterministic tree: the two most likely first tokens, each followed by its most likely
+    successor (parents [-1, -1, 0, 1])."""
+
+    drafts_trees = True
+
+    def propose(self, batch):
+        out = []
+        for inp in batch:
+            ctx = list(inp.token_ids)
+            first = _target_q(inp, ctx).topk(2).indices.tolist()
+            second = [int(_target_q(inp, ctx + [t]).argmax()) for t in first]
+            out.append(Draft(first + second, None, [-1, -1, 0, 1]))
+        return out
+
+
 def engine(algorithm, k=2):
     _, loaded = tiny_loaded("llama")
     return Engine(loaded, EngineConfig(max_model_len=64, max_num_seqs=2, spec=SpecConfig(algorithm=algorithm, num_draft_tokens=k)))
@@ -77,6 +110,12 @@ def _cache_target_q(monkeypatch):
     monkeypatch.setitem(globals(), "_target_q", cached)
 
 
+def failed(report, name):
+    """The named check ran and failed."""
+    check = report.check(name)
+    return check.passed is False
+
+
 def test_audit_passes_sampled_drafter():
     report = run_audit(engine("test_audit_sampled"), PROMPT, PARAMS, rounds=3000, batch=100)
     ran = [c for c in report.checks if c.passed is not None]
@@ -90,14 +129,15 @@ def test_audit_passes_ngram_drafter():
 
 
 def test_audit_fails_soft_q_for_argmax_drafts():
+    # The argmax draft is accepted with min(1, p/q) >= p: it comes out too often at position 1.
     report = run_audit(engine("test_audit_soft_argmax"), PROMPT, PARAMS, rounds=3000, batch=100)
-    assert not report.passed, report.render()
+    assert failed(report, "position 1 token"), report.render()
 
 
 def test_audit_fails_unclamped_residual(monkeypatch):
     monkeypatch.setattr(chain, "_residual_", lambda p, q: p.sub_(q).abs_())
     report = run_audit(engine("test_audit_sampled"), PROMPT, PARAMS, rounds=3000, batch=100)
-    assert not report.passed, report.render()
+    assert failed(report, "recovered token (position 1)"), report.render()
 
 
 def test_audit_fails_bonus_from_wrong_row(monkeypatch):
@@ -110,9 +150,132 @@ def test_audit_fails_bonus_from_wrong_row(monkeypatch):
                 shifted[b, k] = target_probs[b, k - 1]
         return real(shifted, draft_tokens, draft_probs, num_drafts, generators, greedy)
 
-    monkeypatch.setattr(engine_module, "verify_chain", bonus_from_p_k)
+    monkeypatch.setattr(grading, "verify_chain", bonus_from_p_k)
     report = run_audit(engine("test_audit_sampled"), PROMPT, PARAMS, rounds=3000, batch=100)
-    assert not report.passed, report.render()
+    assert failed(report, "bonus token"), report.render()
+
+
+def test_audit_passes_deterministic_tree():
+    report = run_audit(engine("test_audit_tree", k=4), PROMPT, PARAMS, rounds=1500, batch=100)
+    ran = {c.name for c in report.checks if c.passed is not None}
+    assert {"position 1 token", "position 2 token"} <= ran, report.render()
+    assert report.passed, report.render()
+
+
+def test_audit_fails_tree_without_renormalisation(monkeypatch):
+    """After rejecting a child, the next sibling must be accepted with p'(c) = p(c) / (1 - p(tried)).
+    Without renormalising, the second root child comes out too rarely at position 1."""
+
+    def no_renormalisation(p, children, draft_tokens, generator):
+        residual = p.float().clone()
+        mass = float(residual.sum())  # never updated: the bug
+        for child in children:
+            token = draft_tokens[child]
+            u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device))
+            if u * mass < float(residual[token]):
+                return child, residual
+            residual[token] = 0.0
+        return None, residual
+
+    monkeypatch.setattr(tree, "_try_children", no_renormalisation)
+    report = run_audit(engine("test_audit_tree", k=4), PROMPT, PARAMS, rounds=1500, batch=100)
+    assert failed(report, "position 1 token"), report.render()
+
+
+def test_audit_applies_the_repetition_penalty():
+    """The audited distributions are plain decoding's, penalty included, and the engine's grading
+    (which applies it row by row) passes against them."""
+    eng = engine("test_audit_sampled")
+    report = run_audit(eng, PENALTY_PROMPT, PENALTY, rounds=2000, batch=100)
+    ran = {c.name for c in report.checks if c.passed is not None}
+    assert {"position 1 token", "position 2 token"} <= ran, report.render()
+    assert report.passed, report.render()
+    auditor = Auditor(eng, PENALTY_PROMPT, PENALTY, batch=1)
+    for prefix in [(), (51,)]:
+        logits = target_logits(PENALTY_PROMPT + list(prefix))
+        plain = processed_probs(logits, PENALTY, torch.tensor(sorted(set(PENALTY_PROMPT + list(prefix)))))[0]
+        assert torch.allclose(auditor.exact(prefix), plain, atol=1e-5)
+        assert total_variation(plain, processed_probs(logits, PENALTY)[0]) > 0.15  # the penalty matters here
+
+
+def test_audit_catches_a_penalty_missing_on_the_draft_rows(monkeypatch):
+    real = grading.target_probs
+
+    def penalty_on_row_0_only(logits, draft, params, context):
+        rows = real(logits, draft, params, context)
+        return torch.cat([rows[:1], processed_probs(logits[1:], params)])
+
+    monkeypatch.setattr(grading, "target_probs", penalty_on_row_0_only)
+    report = run_audit(engine("test_audit_sampled"), PENALTY_PROMPT, PENALTY, rounds=2000, batch=100)
+    assert failed(report, "position 2 token"), report.render()
+
+
+def test_engine_and_audit_grade_through_the_same_function(monkeypatch):
+    """Swapping grading.grade_round swaps the engine's grading and the audit's alike."""
+    calls = []
+    real = grading.grade_round
+
+    def recording(logits, draft, params, context, generator):
+        calls.append(len(draft))
+        return real(logits, draft, params, context, generator)
+
+    monkeypatch.setattr(grading, "grade_round", recording)
+    eng = engine("test_audit_sampled")
+    eng.add_request(PROMPT, PARAMS)
+    while eng.has_work():
+        eng.step()
+    engine_calls = len(calls)
+    assert engine_calls and any(calls)
+    run_audit(engine("test_audit_sampled"), PROMPT, PARAMS, rounds=20, batch=10)
+    assert len(calls) == engine_calls + 20
+
+
+def test_bins_are_top_tokens_plus_tail():
+    p = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05] + [0.0] * 5)
+    bins = make_bins(p, 200)  # expected counts 100, 60, 20, 10, 10: all named; zeros: impossible
+    assert (bins.support, bins.size) == (5, 6)
+    assert torch.allclose(bins.probs, torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05, 0.0, 0.0], dtype=torch.float64))
+    bins = make_bins(p, 60)  # 0.05 * 60 = 3 < 5: the last two share the tail
+    assert (bins.support, bins.size) == (4, 5) and bins.index[3] == bins.index[4] == 3
+    bins = make_bins(torch.full((1000,), 1e-3), 10_000)  # 10 expected each: 30 named bins + the tail
+    assert (bins.support, bins.size) == (31, 31)
+
+
+def test_a_check_detects_the_tv_it_states():
+    """Samples from a law at exactly the stated detectable binned TV fail the check; exact
+    samples pass it."""
+    p = torch.tensor([0.4, 0.2, 0.15, 0.1, 0.08, 0.04, 0.02, 0.01] + [0.0] * 8)
+    n = 2000
+    stated = detectable_tv(n, make_bins(p, n))
+    shifted = p.clone()
+    shifted[0] -= stated
+    shifted[1] += stated
+    gen = torch.Generator().manual_seed(0)
+    for law, should_pass in [(p, True), (shifted, False)]:
+        observed = torch.multinomial(law, n, replacement=True, generator=gen).tolist()
+        check = binned_check("x", observed, p, alpha=1e-3)
+        assert check.detectable == stated and check.passed is should_pass, check
+
+
+def test_samples_to_detect_follows_the_bound():
+    flat = torch.ones(97)
+    n = samples_to_detect(flat, 0.05)
+    assert detectable_tv(n, make_bins(flat, n)) <= 0.05 < detectable_tv(n // 2, make_bins(flat, n // 2))
+
+
+def test_report_states_binned_tv_bound_and_power():
+    """Each check prints n, bins, p-value, binned TV, its bound and the TV it detects, all below
+    1 on a full vocabulary; the last lines tell how many rounds a TV of 0.05 needs."""
+    report = run_audit(engine("ngram", k=3), PROMPT, SamplingParams(temperature=1.0, max_tokens=8), rounds=400, batch=100)
+    text = report.render()
+    ran = [c for c in report.checks if c.passed is not None]
+    assert ran
+    for c in ran:
+        assert c.bins <= 31 and 0 < c.tv_bound < c.detectable < 1
+        assert f"{c.samples:7d} {c.bins:5d} {c.p_value:10.3g} {c.tv:7.4f} {c.tv_bound:7.4f} {c.detectable:8.4f}" in text
+    rounds, limiting = report.rounds_needed()
+    assert limiting.samples_needed > limiting.samples  # 400 rounds cannot detect 0.05
+    assert f"detecting a TV of 0.05 on every check that ran takes about {rounds} rounds" in text
 
 
 def test_greedy_audit_is_token_identity():

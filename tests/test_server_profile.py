@@ -46,3 +46,21 @@ def test_a_broken_profile_says_how_to_recover(tmp_path):
     bad.write_text('{"sizes": [1, 2], "seconds": [0.1]}')
     with pytest.raises(ValueError, match="--reprofile"):
         load_profile(bad)
+
+
+def test_the_profile_key_names_the_kernels_and_the_cpu(monkeypatch):
+    """A TANDEM_KERNELS override or another CPU never reuses a curve measured on other kernels."""
+    from dataclasses import replace
+
+    from tandem.model import kernels
+    from tandem.server import profile
+
+    _, loaded = tiny_loaded("llama")
+    block = replace(loaded, quantization="native", kernels="block")
+    keys = set()
+    for variant in kernels.supported_variants()[:2]:
+        monkeypatch.setenv("TANDEM_KERNELS", variant)
+        keys.add(profile.profile_key(block, "cpu", 2))
+    assert len(keys) == len(kernels.supported_variants()[:2])
+    monkeypatch.setattr(profile, "cpu_name", lambda: "Another CPU")
+    assert profile.profile_key(block, "cpu", 2) not in keys

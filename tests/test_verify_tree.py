@@ -5,6 +5,7 @@ deduplication, validation; and the Draft tree helpers the engine and drafters us
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from tandem.sampling import NonFiniteLogitsError, make_generator
 from tandem.types import Draft
 from tandem.verify.stats import chi_square_test, total_variation, tv_bound
 from tandem.verify.tree import children_of, verify_tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 V = 6
 #   root
@@ -147,3 +150,169 @@ def test_draft_depth_pruning_and_grafting():
     assert chain.token_ids == [5, 6, 7] and chain.parents == [-1, 0, 0]
     with pytest.raises(ValueError, match="deterministic"):
         Draft([1], torch.ones(1, V) / V).with_branch([2])
+
+
+# ---- The law after every node, every leaf's bonus row, and broken verifiers that must fail ----
+#
+# A bigger tree over a vocabulary of 10, with five leaves at depths 1 to 3:
+#
+#        root
+#      /   |   \
+#     A    B    C          nodes 0, 1, 2: tokens 1, 4, 7 (C a leaf)
+#    / \   | \
+#   D   E  F  H            nodes 3, 4 (A's), 5, 6 (B's): tokens 2, 5, 8, 0 (E, F, H leaves)
+#   |
+#   G                      node 7: token 3 (a leaf)
+#
+# Losslessness says more than "the first token follows p_root": whenever the accepted path
+# reaches a node, the next committed token (an accepted child's token, the residual draw after
+# every child was rejected, or at a leaf the bonus) follows that node's own row. The rows put
+# most of each parent's mass on its children, so every node is reached often: P(reach a child)
+# = P(reach its parent) * p_parent(child's token), at least 0.1 for every leaf.
+
+TREE_V = 10
+TREE_TOKENS = [1, 4, 7, 2, 5, 8, 0, 3]
+TREE_PARENTS = [-1, -1, -1, 0, 0, 1, 1, 3]
+TREE_LEAVES = [2, 4, 5, 6, 7]
+# Mass each internal node's row puts on its children's tokens (the rest: a random row).
+CHILD_MASS = {-1: [0.3, 0.3, 0.25], 0: [0.5, 0.35], 1: [0.45, 0.4], 3: [0.75]}
+TREE_TRIALS = 12_000  # every leaf is reached >= 0.1 * 12000 = 1200 times (asserted)
+TREE_ALPHA = 1e-4 / (len(TREE_TOKENS) + 1)  # Bonferroni over the nine nodes (root included)
+
+
+def tree_rows(seed: int = 5) -> torch.Tensor:
+    """[9, TREE_V] target rows: row 0 the root's, row i + 1 node i's."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.softmax(1.5 * torch.randn(len(TREE_TOKENS) + 1, TREE_V, generator=gen, dtype=torch.float64), -1)
+    children = children_of(TREE_PARENTS)
+    for node, masses in CHILD_MASS.items():
+        row = rows[node + 1] * (1 - sum(masses))
+        for child, mass in zip(children[node + 1], masses):
+            row[TREE_TOKENS[child]] += mass
+        rows[node + 1] = row
+    return rows.float()
+
+
+TREE_ROWS = tree_rows()
+
+
+def reference_verify_tree(probs, tokens, parents, generator, bug=None):
+    """A plain copy of the deterministic-children rule (ALGORITHMS.md section 2), one uniform
+    per child tried and one for the final token, with optional bugs:
+    "no_renormalisation": after a rejected child its token is zeroed but the next child is
+        still accepted with probability p'(c) / (the mass before any rejection);
+    "bonus_from_parent_row": at a leaf the bonus is drawn from the leaf's parent's row."""
+    children = children_of(parents)
+    path, node = [], -1
+    while True:
+        residual = probs[node + 1].double().clone()
+        mass = float(residual.sum())
+        accepted = None
+        tried = set()
+        for child in children[node + 1]:
+            if tokens[child] in tried:
+                continue
+            tried.add(tokens[child])
+            u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+            if u * mass < float(residual[tokens[child]]):
+                accepted = child
+                break
+            residual[tokens[child]] = 0.0
+            if bug != "no_renormalisation":
+                mass = float(residual.sum())
+        if accepted is None:
+            if bug == "bonus_from_parent_row" and node >= 0 and not children[node + 1]:
+                residual = probs[parents[node] + 1].double()
+            u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+            cdf = residual.cumsum(0)
+            final = int(torch.searchsorted(cdf, torch.tensor([(1 - u) * float(cdf[-1])], dtype=torch.float64)))
+            return [tokens[i] for i in path] + [final], path
+        path.append(accepted)
+        node = accepted
+
+
+def simulate_tree(verifier, trials: int = TREE_TRIALS, seed: int = 7) -> dict[int, list[int]]:
+    """{node: the tokens committed right after the accepted path reached it} (node -1: root)."""
+    after: dict[int, list[int]] = collections.defaultdict(list)
+    for i in range(trials):
+        tokens, path = verifier(TREE_ROWS, TREE_TOKENS, TREE_PARENTS, make_generator(seed * 1_000_003 + i))
+        for depth, node in enumerate([-1] + path):
+            after[node].append(tokens[depth])
+    return after
+
+
+def real_verifier(probs, tokens, parents, generator):
+    result = verify_tree(probs, tokens, parents, generator, greedy=False)
+    return result.tokens, result.path
+
+
+@functools.lru_cache(maxsize=None)
+def real_tree_rounds() -> dict[int, list[int]]:
+    return simulate_tree(real_verifier)
+
+
+def node_checks(after: dict[int, list[int]]) -> dict[int, tuple[bool, str]]:
+    """Per node reached: does the next token follow the node's row? (chi-square p >= alpha and
+    TV <= tv_bound, both at the Bonferroni-corrected alpha) -> {node: (passed, description)}."""
+    out = {}
+    for node, observed in sorted(after.items()):
+        expected = TREE_ROWS[node + 1].double()
+        counts = torch.bincount(torch.tensor(observed), minlength=TREE_V).double()
+        test = chi_square_test(counts, expected)
+        tv = total_variation(counts, expected)
+        bound = tv_bound(len(observed), int((expected > 0).sum()), 1 - TREE_ALPHA)
+        passed = test.p_value >= TREE_ALPHA and tv <= bound
+        out[node] = (passed, f"node {node}: n={len(observed)} p={test.p_value:.3g} tv={tv:.4f} bound={bound:.4f}")
+    return out
+
+
+def test_tree_design_reaches_every_leaf_and_separates_rows():
+    """Every leaf gets >= 1000 bonus samples, and each leaf's row is far from its parent's (and
+    from the root's): TV > 3x the detection bound, so a bonus drawn from a wrong row shows."""
+    after = real_tree_rounds()
+    bound = tv_bound(1000, TREE_V, 1 - TREE_ALPHA)
+    for leaf in TREE_LEAVES:
+        assert len(after[leaf]) >= 1000, (leaf, len(after[leaf]))
+        row = TREE_ROWS[leaf + 1]
+        for other in {TREE_PARENTS[leaf], -1}:
+            assert 0.5 * float((row - TREE_ROWS[other + 1]).abs().sum()) > 3 * bound, (leaf, other)
+
+
+def test_every_leaf_bonus_follows_that_leafs_row():
+    """Rounds whose accepted path ends at a leaf draw the bonus from the leaf's own row (the
+    target's distribution after the leaf's path), whichever leaf it is. Power: >= 1200 samples
+    per leaf over 10 tokens: the TV bound is ~0.08 and chi-square flags far less; a wrong row
+    is >= 0.25 away (asserted above)."""
+    checks = node_checks(real_tree_rounds())
+    assert all(checks[leaf][0] for leaf in TREE_LEAVES), "\n".join(checks[leaf][1] for leaf in TREE_LEAVES)
+
+
+def test_token_after_every_internal_node_follows_its_row():
+    """The root and every internal node: the next token (an accepted child's, or the residual
+    draw) follows the node's row. Power: >= 12000 * 0.15 = 1800 samples per node."""
+    checks = node_checks(real_tree_rounds())
+    internal = [-1] + sorted(set(TREE_PARENTS) - {-1})
+    assert all(checks[n][0] for n in internal), "\n".join(checks[n][1] for n in internal)
+
+
+@pytest.mark.parametrize(
+    "bug, failing",
+    [
+        # Under-accepts children tried after a rejection (B: 0.3 * 0.7 instead of 0.3), so the
+        # token after the root and after A and B is off; the leaves are unaffected.
+        ("no_renormalisation", [-1, 0, 1]),
+        # Every leaf's bonus comes from its parent's row.
+        ("bonus_from_parent_row", TREE_LEAVES),
+    ],
+)
+def test_broken_tree_verifiers_fail_the_checks_the_real_one_passes(bug, failing):
+    real = node_checks(real_tree_rounds())
+    assert all(passed for passed, _ in real.values()), "\n".join(d for _, d in real.values())
+    broken = node_checks(simulate_tree(functools.partial(reference_verify_tree, bug=bug)))
+    assert all(not broken[n][0] for n in failing), "\n".join(d for _, d in broken.values())
+
+
+def test_the_reference_copy_passes_without_its_bug():
+    """The copy the negative controls break is itself correct: what fails above is the bug."""
+    checks = node_checks(simulate_tree(reference_verify_tree, trials=TREE_TRIALS // 2, seed=8))
+    assert all(passed for passed, _ in checks.values()), "\n".join(d for _, d in checks.values())

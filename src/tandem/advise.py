@@ -177,7 +177,8 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
                max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
                curve_sizes=ADVISE_CURVE_SIZES, progress: bool = True) -> dict:
     """Measure and predict; returns the advisor's report (what `--json` writes)."""
-    from tandem.bench.base import measure_bandwidth, model_weight_bytes, tandem_cost_curve
+    from tandem.bench.base import tandem_cost_curve
+    from tandem.bench.kernel_report import measure_bandwidth, model_weight_bytes
     from tandem.bench.spec import OVERALL, run_spec_bench
 
     if not methods:

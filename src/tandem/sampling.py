@@ -66,8 +66,16 @@ def processed_probs(
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+# A seeded request's generator on another device than the target's (a drafter sampling there)
+# is seeded seed + this, so it is reproducible without sharing the target generator's stream.
+OTHER_DEVICE_SEED_OFFSET = 0x5EED
+
+
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
-    """A per-request generator: a fixed seed reproduces the request, None draws a fresh seed."""
+    """A per-request generator: a fixed seed reproduces the request, None draws a fresh seed.
+
+    CPU and CUDA generators are different random streams: the same seed gives different tokens
+    on each device (each is reproducible on its own)."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
@@ -78,4 +86,7 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row of [N, V] probabilities -> [N] token ids."""
+    if generator.device.type != probs.device.type:
+        raise ValueError(f"a generator on {generator.device} cannot draw from probabilities on {probs.device}: "
+                         "keep each generator on the device its draws happen on")
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -37,9 +37,9 @@ class Draft:
     @property
     def depth(self) -> int:
         """The longest root-to-leaf path: how many tokens one round can accept at most."""
-        return len(self.token_ids) if self.parents is None else max(self._node_depths(), default=0)
+        return len(self.token_ids) if self.parents is None else max(self.node_depths(), default=0)
 
-    def _node_depths(self) -> list[int]:
+    def node_depths(self) -> list[int]:
         """Each tree node's depth (1 for the root's children)."""
         depths: list[int] = []
         for p in self.parents:
@@ -85,7 +85,7 @@ class Draft:
             return self.truncated(min(max_depth, max_nodes))
         keep: list[int] = []
         index: dict[int, int] = {}
-        for node, (p, depth) in enumerate(zip(self.parents, self._node_depths())):
+        for node, (p, depth) in enumerate(zip(self.parents, self.node_depths())):
             if depth <= max_depth and (p < 0 or p in index) and len(keep) < max_nodes:
                 index[node] = len(keep)
                 keep.append(node)

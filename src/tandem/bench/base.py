@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.bench.kernel_report import kernel_report, measure_bandwidth, model_weight_bytes, print_kernel_report
 from tandem.bench.prompts import spec_bench_prompts
 from tandem.config import SamplingParams
 from tandem.model.kv_cache import KVCache
@@ -53,18 +54,6 @@ class BaseResult:
     agreement_identical: int | None = None
 
 
-def measure_bandwidth(mb: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s: median time of summing a buffer much larger than the caches."""
-    x = torch.ones(mb * 1024 * 1024 // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
-
-
 def _median_time(fn, repeats: int) -> float:
     fn()
     times = []
@@ -88,15 +77,6 @@ def tandem_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES) -> dict[int, 
         cache.truncate(seq, CONTEXT_FOR_CURVE)
 
     return {n: _median_time(lambda: fwd(n), repeats) for n in sizes}
-
-
-def model_weight_bytes(model: torch.nn.Module, skip: tuple[str, ...] = ("embed",)) -> int:
-    """Bytes one decode step must read: every weight except the embedding table (a lookup)."""
-    total = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not any(name == s or name.startswith(s + ".") for s in skip):
-            total += t.numel() * t.element_size()
-    return total
 
 
 def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_new: int, threads: int | None):
@@ -205,8 +185,15 @@ def bench_base(args) -> dict:
         raise ValueError("--cpu-time measures one thread: run it with --threads 1")
     use_cpu_clock(args.cpu_time)
     prompts = [p.text for p in spec_bench_prompts(per_category=1)][: args.num_prompts]
-    bandwidth = measure_bandwidth()
-    print(f"read bandwidth: {bandwidth:.1f} GB/s; {len(prompts)} Spec-Bench prompts, {args.max_new_tokens} new tokens each")
+    kernels = None
+    if not args.skip_kernel_report:
+        from tandem.model.loader import load_model, resolve_model
+
+        kernels = kernel_report(load_model(args.model), resolve_model(args.model).gguf_path)
+        print_kernel_report(kernels)
+        gc.collect()
+    bandwidth = kernels.bandwidth_gb_s if kernels else measure_bandwidth()
+    print(f"{len(prompts)} Spec-Bench prompts, {args.max_new_tokens} new tokens each")
     results: list[BaseResult] = []
     if not args.skip_transformers:
         results.append(run_transformers(args.model, prompts, args.max_new_tokens))
@@ -218,6 +205,9 @@ def bench_base(args) -> dict:
     lcpp = run_llamacpp(args.model, prompts, args.max_new_tokens, args.threads)
     if lcpp:
         results.append(lcpp)
+    elif args.require_llamacpp:
+        raise RuntimeError("--require-llamacpp: llama-cpp-python is not installed (or the model has no GGUF); "
+                           "install it built for this CPU: CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python")
     reference = next((r for r in results if r.name == "tandem none/float32"), None)
     for r in results:
         if r.weight_bytes:
@@ -228,7 +218,7 @@ def bench_base(args) -> dict:
             r.agreement_identical = sum(s == len(b) for s, b in zip(spans, reference.token_ids))
     report = {"model": args.model, "bandwidth_gb_s": bandwidth, "max_new_tokens": args.max_new_tokens,
               "clock": "thread CPU time" if args.cpu_time else "wall", "threads": args.threads,
-              "num_prompts": len(prompts),
+              "num_prompts": len(prompts), "kernels": kernels.as_dict() if kernels else None,
               "results": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]}
     print_table(report)
     if args.out:

@@ -20,6 +20,10 @@ def add_bench_parser(sub) -> None:
     base.add_argument("--max-new-tokens", type=int, default=64)
     base.add_argument("--threads", type=int, default=None)
     base.add_argument("--skip-transformers", action="store_true")
+    base.add_argument("--skip-kernel-report", action="store_true",
+                      help="skip the kernel section (bandwidth, int8 peak, floor, decode step, cost curve, bf16 reference)")
+    base.add_argument("--require-llamacpp", action="store_true",
+                      help="fail when llama-cpp-python is missing instead of leaving its line out")
     base.add_argument("--cpu-time", action="store_true",
                       help="time with the CPU time of one thread instead of wall time (for a shared host; implies --threads 1)")
     base.add_argument("--out", default="results/bench_base.json")

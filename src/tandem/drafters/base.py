@@ -75,6 +75,8 @@ class DraftOutcome:
     """What happened to a request's draft: fed back to the drafter through `observe`.
 
     committed: the tokens appended this round (accepted drafts + the recovered/bonus token).
+    When EOS or a stop landed inside the accepted run, every field stops there: the counts are
+    the ones the stats and the speculation policy get (engine.RoundCounts.clipped).
     """
 
     request_id: str
@@ -105,6 +107,12 @@ class Drafter(ABC):
             )
         self.spec = spec
         self.target = target
+
+    @property
+    def sampling_device(self) -> str:
+        """Where this drafter samples its draft tokens (its q rows live there); the engine hands
+        it a generator on that device."""
+        return self.target.device
 
     @abstractmethod
     def propose(self, batch: list[DraftInput]) -> list[Draft]:

@@ -19,13 +19,12 @@ from tandem.drafters import DraftInput, DraftOutcome, Drafter, TargetInfo, creat
 from tandem.engine.request import Request
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
-from tandem.model.runner import ModelRunner, SeqInput, tree_paths
-from tandem.sampling import NonFiniteLogitsError, make_generator, processed_probs, sample
+from tandem.model.runner import ModelRunner, SeqInput
+from tandem.sampling import NonFiniteLogitsError, make_generator
 from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy, create_policy
 from tandem.types import Draft, SpecStats
-from tandem.verify.chain import verify_chain
-from tandem.verify.tree import verify_tree
+from tandem.verify import grading
 
 log = logging.getLogger("tandem.engine")
 
@@ -83,7 +82,7 @@ class Engine:
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
             params=params,
-            generator=make_generator(params.seed, "cpu"),
+            generator=make_generator(params.seed, self.config.device),
             eos_ids=self.eos_ids,
         )
         self.waiting.append(req)
@@ -133,7 +132,7 @@ class Engine:
                 updates.append(self._fail(req, err))
                 continue
             req.hidden = {layer: h[b] for layer, h in out.hidden.items()}
-            updates.append(self._commit(req, [token], drafted=0, accepted=0))
+            updates.append(self._commit(req, [token], RoundCounts(0, 0, 0))[0])
         return updates
 
     def _decode_round(self) -> list[StepUpdate]:
@@ -171,12 +170,11 @@ class Engine:
             else:  # the drafter sat this round out: it must still see these rows
                 req.hidden = {layer: torch.cat([req.hidden[layer], rows]) for layer, rows in kept.items()}
             req.hidden_delivered = False
-            update = self._commit(req, tokens, drafted=len(draft), accepted=accepted,
-                                  depth=draft.depth if draft.is_tree else None)
+            update, counted = self._commit(req, tokens, RoundCounts.of(draft, accepted))
             updates.append(update)
             if self.policy is not None:
-                self.policy.observe(req.request_id, draft.depth, accepted)
-            outcomes.append(DraftOutcome(req.request_id, len(draft), accepted, update.new_token_ids))
+                self.policy.observe(req.request_id, counted.depth, counted.accepted)
+            outcomes.append(DraftOutcome(req.request_id, counted.drafted, counted.accepted, update.new_token_ids))
         if self.drafter is not None:
             # The runner pads every sequence to the longest: the forward covers B * T tokens.
             padded = len(batch) * max(len(i.token_ids) for i in inputs)
@@ -194,7 +192,8 @@ class Engine:
             if k > 0:
                 rows.append(i)
                 inputs.append(
-                    DraftInput(req.request_id, req.context, len(req.prompt_ids), k, req.params, req.generator, req.hidden)
+                    DraftInput(req.request_id, req.context, len(req.prompt_ids), k, req.params,
+                               req.generator_on(self.drafter.sampling_device), req.hidden)
                 )
                 req.hidden_delivered = True
         drafts = [Draft.empty() for _ in batch]
@@ -218,61 +217,28 @@ class Engine:
         return self.config.max_model_len - self.cache.lengths[req.seq] - 1
 
     def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
-        if req.params.greedy and req.params.repetition_penalty == 1.0:
-            if not torch.isfinite(logits).all():
-                raise NonFiniteLogitsError("the model produced NaN or inf logits")
-            return int(logits[-1].argmax())
-        probs = processed_probs(logits[-1:], req.params, self._seen(req))
-        return int(sample(probs, req.generator)[0])
+        """Plain decoding's token from the last row (the shared grading's empty-draft case)."""
+        return grading.sample_plain(logits, req.params, req.context, req.generator)
 
     def _grade(self, logits: torch.Tensor, req: Request, draft: Draft) -> tuple[list[int], list[int]]:
         """Target logits [n+1, V] for [next_token, d_1..d_n] -> committed tokens and the accepted
-        draft nodes (a chain's are 0..accepted-1)."""
-        if not draft.token_ids:
-            return [self._sample_one(logits, req)], []
-        probs = self._target_probs(logits, req, draft)
-        if draft.is_tree:
-            if draft.probs is not None:
-                raise ValueError("tree drafts must be deterministic (top-k children); sampled trees are not supported")
-            result = verify_tree(probs, draft.token_ids, draft.parents, req.generator, req.params.greedy)
-            return result.tokens, result.path
-        result = verify_chain(
-            probs.unsqueeze(0),
-            torch.tensor([draft.token_ids]),
-            [draft.probs],
-            torch.tensor([len(draft)]),
-            [req.generator],
-            [req.params.greedy],
-        )
-        accepted = int(result.num_accepted[0])
-        return result.committed(0), list(range(accepted))
+        draft nodes (a chain's are 0..accepted-1). Through `grading.grade_round`, the function
+        `tandem audit` grades with: the audit checks exactly this."""
+        return grading.grade_round(logits, draft, req.params, req.context, req.generator)
 
-    def _target_probs(self, logits: torch.Tensor, req: Request, draft: Draft) -> torch.Tensor:
-        """Each row processed exactly as plain sampling would process it at that point: with a
-        repetition penalty, row i also penalises the draft tokens on its path."""
-        if req.params.repetition_penalty == 1.0:
-            return processed_probs(logits, req.params)
-        context = set(req.context)
-        paths = [[]] + tree_paths(draft.parents if draft.is_tree else list(range(-1, len(draft) - 1)))
-        rows = []
-        for row, path in enumerate(paths):
-            seen = torch.tensor(sorted(context | {draft.token_ids[i] for i in path}), dtype=torch.long)
-            rows.append(processed_probs(logits[row : row + 1], req.params, seen))
-        return torch.cat(rows)
-
-    def _seen(self, req: Request) -> torch.Tensor | None:
-        if req.params.repetition_penalty == 1.0:
-            return None
-        return torch.tensor(sorted(set(req.context)), dtype=torch.long)
-
-    def _commit(self, req: Request, tokens: list[int], drafted: int, accepted: int, depth: int | None = None) -> StepUpdate:
+    def _commit(self, req: Request, tokens: list[int], counts: "RoundCounts") -> tuple[StepUpdate, "RoundCounts"]:
+        """Append the round's tokens (stop conditions apply inside the run) and record its
+        counts, clipped at a stop: what follows it was never used, so it is not counted."""
         kept = req.append(tokens, self.tokenizer)
         req.next_token = tokens[kept - 1] if kept else req.next_token
-        req.stats.record_round(drafted, min(accepted, kept), kept, depth)
-        self.stats.record_round(drafted, min(accepted, kept), kept, depth)
+        if kept < len(tokens):
+            counts = counts.clipped(kept)
+        depth = counts.depth if counts.tree_depths is not None else None
+        req.stats.record_round(counts.drafted, counts.accepted, kept, depth)
+        self.stats.record_round(counts.drafted, counts.accepted, kept, depth)
         if req not in self.running and not req.finished:
             self.running.append(req)
-        return StepUpdate(req, tokens[:kept], req.take_new_text())
+        return StepUpdate(req, tokens[:kept], req.take_new_text()), counts
 
     def _fail(self, req: Request, err: Exception) -> StepUpdate:
         log.error("request %s ended: %s", req.request_id, err)
@@ -305,6 +271,36 @@ class Engine:
                 "rather than raising the number of draft tokens",
                 s.mean_acceptance_length, POOR_DRAFTER_TAU, self.config.spec.algorithm,
             )
+
+
+@dataclass(frozen=True)
+class RoundCounts:
+    """What one round drafted and had accepted, as the stats, the policy and the drafter see it.
+
+    drafted: draft tokens (tree nodes); accepted: accepted draft tokens; depth: the positions
+    graded (a chain's length, a tree's depth); tree_depths: each tree node's depth (None for a
+    chain). When EOS or a stop lands inside the accepted run, `clipped` keeps only what precedes
+    the stop: positions past it are neither drafted nor graded nor accepted in any count.
+    """
+
+    drafted: int
+    accepted: int
+    depth: int
+    tree_depths: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, draft: Draft, accepted: int) -> "RoundCounts":
+        depths = tuple(draft.node_depths()) if draft.is_tree else None
+        return cls(len(draft), accepted, draft.depth, depths)
+
+    def clipped(self, committed: int) -> "RoundCounts":
+        """The counts when only the first `committed` tokens of the round were kept (a stop
+        landed on token `committed`, an accepted draft token)."""
+        accepted = min(self.accepted, committed)
+        if self.tree_depths is None:
+            return RoundCounts(min(self.drafted, committed), accepted, min(self.depth, committed))
+        kept = tuple(d for d in self.tree_depths if d <= committed)
+        return RoundCounts(len(kept), accepted, min(self.depth, committed), kept)
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import SamplingParams
+from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator
 from tandem.types import RequestOutput, SpecStats
 
 
@@ -17,6 +18,8 @@ class Request:
 
     `next_token` is the newest committed token, sampled but not yet written to the KV cache: it is
     the first input of the request's next target forward (followed by that round's drafts).
+    `generator` lives on the target's device, where the verifier and plain sampling draw; a
+    drafter that samples on another device gets its own generator there (`generator_on`).
     """
 
     request_id: str
@@ -37,6 +40,19 @@ class Request:
     # (rows accumulate over rounds the policy gave it no draft tokens).
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden_delivered: bool = False
+    _generators_elsewhere: dict[torch.device, torch.Generator] = field(default_factory=dict, repr=False)
+
+    def generator_on(self, device: str | torch.device) -> torch.Generator:
+        """The generator for draws on `device`: the request's own where it lives, else one made
+        there on first use, seeded from the request's seed (so a seeded request stays
+        reproducible) but never sharing its stream."""
+        device = torch.device(device)
+        if device.type == self.generator.device.type:
+            return self.generator
+        if device not in self._generators_elsewhere:
+            seed = None if self.params.seed is None else self.params.seed + OTHER_DEVICE_SEED_OFFSET
+            self._generators_elsewhere[device] = make_generator(seed, device)
+        return self._generators_elsewhere[device]
 
     @property
     def finished(self) -> bool:

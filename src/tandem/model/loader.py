@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from tandem.model.arch import ModelConfig, model_config_from_hf
+from tandem.model.kernels import block_kernels
 from tandem.model.transformer import TransformerLM
+from tandem.paths import cache_root
 
 log = logging.getLogger("tandem.loader")
 
@@ -67,10 +69,6 @@ DEFAULT_DRAFTERS = {
     "smollm2-135m-instruct": "suffix",
     "gemma3-270m": "suffix",
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
 
 
 @dataclass(frozen=True)
@@ -217,7 +215,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     quantization: str
-    kernels: str = "torch"  # "block": tandem's AVX2 kernels; "torch": torch's own
+    kernels: str = "torch"  # "block": tandem's block kernels (model/kernels); "torch": torch's own
 
 
 def resolve_quantization(quantization: str, src: ModelSource, device: str) -> str:
@@ -233,12 +231,10 @@ def resolve_quantization(quantization: str, src: ModelSource, device: str) -> st
 
 
 def resolve_kernels(quantization: str, device: str = "cpu") -> str:
-    """'block' (tandem's AVX2 kernels, fp32 activations) for quantized weights on a CPU that can
+    """'block' (tandem's block kernels, fp32 activations) for quantized weights on a CPU that can
     build and run them, else 'torch' (torch's int4/int8 kernels with bf16 activations)."""
     if quantization == "none" or device != "cpu":
         return "torch"
-    from tandem.model.kernels import block_kernels
-
     return "block" if block_kernels() is not None else "torch"
 
 

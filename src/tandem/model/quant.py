@@ -16,12 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.model.kernels import BlockKernels, BlockWeights, block_kernels
+
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # torch's CPU int4 packing needs a multiple of 16 output rows; other counts are zero-padded.
 _INT4_ROW_TILE = 16
-# _weight_int8pack_mm with bf16 activations crashes or returns wrong sums unless K % 8 == 0
-# (measured on torch 2.13 CPU: K = 100, 108, 116 give ~10% error, K = 127 segfaults).
-_INT8_K_MULTIPLE = 8
+# _weight_int8pack_mm with bf16 activations crashes or returns wrong sums unless its input width
+# K is a multiple of 16 (torch 2.13 CPU, swept over K, N and rows): on AVX2, K % 8 != 0 gives ~10%
+# error or a segfault; on AVX-512 (Zen 4, Sapphire Rapids) any K % 16 != 0 segfaults from 2 rows
+# on and returns NaN or 10-20% error for one row. Int8Linear therefore stores its weight with zero
+# columns up to a multiple of this and pads each input row the same way (exact: 0 * w adds 0).
+_INT8_K_MULTIPLE = 32
 
 _warned_fallback: set[str] = set()
 
@@ -199,23 +204,28 @@ class Int4Linear(nn.Module):
 class Int8Linear(nn.Module):
     """y = x W^T + b with W = weight_int8 * scales[:, None] (symmetric, one scale per output row).
 
-    in_features must be a multiple of 8 (the bf16 CPU kernel is wrong otherwise).
+    Buffers: weight int8 [out, K] with K = in_features rounded up to a multiple of
+    _INT8_K_MULTIPLE (the extra columns are zero; torch's kernel mishandles other widths), scales
+    bf16 [out], bias bf16 [out] or None.
     """
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, in_features: int | None = None) -> None:
         super().__init__()
-        out_features, in_features = weight_int8.shape
+        out_features, width = weight_int8.shape
         if weight_int8.dtype != torch.int8:
             raise TypeError(f"weight must be int8, got {weight_int8.dtype}")
-        if in_features % _INT8_K_MULTIPLE:
-            raise ValueError(f"in_features must be a multiple of {_INT8_K_MULTIPLE} for the "
-                             f"int8 CPU kernel, got {in_features}")
+        in_features = width if in_features is None else in_features
+        if not 0 < in_features <= width or width - in_features >= _INT8_K_MULTIPLE:
+            raise ValueError(f"in_features {in_features} does not match a weight of width {width}")
         if scales.shape != (out_features,):
             raise ValueError(f"scales must have shape ({out_features},), got {tuple(scales.shape)}")
+        if bool(weight_int8[:, in_features:].any()):
+            raise ValueError("the weight's padding columns past in_features must be zero")
         self.in_features = in_features
         self.out_features = out_features
-        self.register_buffer("weight", weight_int8.contiguous())
+        padded = -(-in_features // _INT8_K_MULTIPLE) * _INT8_K_MULTIPLE
+        self.register_buffer("weight", F.pad(weight_int8[:, :in_features], (0, padded - in_features)).contiguous())
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
 
@@ -229,11 +239,16 @@ class Int8Linear(nn.Module):
         return cls(q, scales, bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.float() * self.scales.float()[:, None]).to(dtype)
+        return (self.weight[:, : self.in_features].float() * self.scales.float()[:, None]).to(dtype)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        pad = self.weight.shape[1] - self.in_features
+        if pad:
+            x2 = F.pad(x2, (0, pad))
+        return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _weight_only_forward(self, x, self.weight.device,
-                                    lambda x2: torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales))
+        return _weight_only_forward(self, x, self.weight.device, self._matmul)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -265,12 +280,6 @@ class DenseLinear(nn.Module):
 BLOCK = 32
 
 
-def _block_kernels():
-    from tandem.model.kernels import block_kernels
-
-    return block_kernels()
-
-
 # Which rows of the block linears' inputs are prompt tokens (a bool mask over the flattened rows),
 # set by the runner around its decoder layers: those rows may take the kernels' prefill path. The
 # mask only applies to inputs with exactly that many rows.
@@ -299,6 +308,16 @@ def _block_matmul(kernels, x2: torch.Tensor, matmul) -> torch.Tensor:
     return y
 
 
+def _packed(layer: nn.Module, kernels: BlockKernels, m: torch.Tensor | None) -> BlockWeights:
+    # Kept beside the module, not as buffers: the packed layout belongs to one kernel variant
+    # and is rebuilt from qs/d/m (the state) wherever the module goes.
+    cached = layer.__dict__.get("_blocks")
+    if cached is None or cached[0] is not kernels or cached[1].qs.data_ptr() != layer.qs.data_ptr():
+        cached = (kernels, kernels.pack(layer.qs, layer.d, m, layer.bias))
+        layer.__dict__["_blocks"] = cached
+    return cached[1]
+
+
 def _block_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     """[..., in] -> [..., out] float32 through tandem's block kernel (CPU) or, elsewhere or
     without the compiled kernel, the dequantised weight with F.linear."""
@@ -306,22 +325,20 @@ def _block_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     if x.shape[-1] != layer.in_features:
         raise ValueError(f"expected last dim {layer.in_features}, got input of shape {tuple(x.shape)}")
     x2 = x.reshape(-1, layer.in_features).float().contiguous()
-    kernels = _block_kernels() if x2.device.type == "cpu" else None
+    kernels = block_kernels() if x2.device.type == "cpu" else None
     if kernels is not None:
-        y = _block_matmul(kernels, x2, matmul)
+        y = _block_matmul(kernels, x2, matmul)  # the packed weights carry the bias
     else:
         if x2.device.type != "cpu":
             _warn_fallback_once(type(layer).__name__, x2.device)
-        y = F.linear(x2, layer.dequantize(torch.float32))
-    if layer.bias is not None:
-        y = y + layer.bias
+        y = F.linear(x2, layer.dequantize(torch.float32), layer.bias)
     return y.reshape(*lead, layer.out_features)
 
 
 class BlockQ4Linear(nn.Module):
     """y = x W^T + b with W in 4-bit blocks of 32 inputs: w = d * q + m, q in 0..15 (GGUF Q4_1).
 
-    Runs on tandem's AVX2 kernel (model/kernels), which quantizes each activation row to int8
+    Runs on tandem's block kernels (model/kernels), which quantizes each activation row to int8
     blocks of 32 and multiplies in integers, as llama.cpp does. Buffers: qs uint8 [out, in/2]
     (byte j of a block holds q_j low and q_{j+16} high), d and m float32 [out, in/32]. Takes any
     float input, returns float32.
@@ -373,7 +390,11 @@ class BlockQ4Linear(nn.Module):
         return (q * self.d[..., None] + self.m[..., None]).reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_forward(self, x, lambda k, x2, prefill: k.q4_matmul(x2, self.qs, self.d, self.m, prefill))
+        return _block_forward(self, x, lambda k, x2, prefill: k.linear(x2, self.blocks(k), prefill=prefill))
+
+    def blocks(self, kernels: BlockKernels) -> BlockWeights:
+        """The weights as `kernels` reads them, packed on first use (bias included)."""
+        return _packed(self, kernels, self.m)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -382,7 +403,7 @@ class BlockQ4Linear(nn.Module):
 class BlockQ8Linear(nn.Module):
     """y = x W^T + b with W in 8-bit blocks of 32 inputs: w = d * q, q in -127..127 (GGUF Q8_0).
 
-    Runs on tandem's AVX2 kernel like BlockQ4Linear. Buffers: qs int8 [out, in], d float32
+    Runs on tandem's block kernels like BlockQ4Linear. Buffers: qs int8 [out, in], d float32
     [out, in/32]. Takes any float input, returns float32.
     """
 
@@ -414,7 +435,11 @@ class BlockQ8Linear(nn.Module):
         return (q * self.d[..., None]).reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_forward(self, x, lambda k, x2, prefill: k.q8_matmul(x2, self.qs, self.d, prefill))
+        return _block_forward(self, x, lambda k, x2, prefill: k.linear(x2, self.blocks(k), prefill=prefill))
+
+    def blocks(self, kernels: BlockKernels) -> BlockWeights:
+        """The weights as `kernels` reads them, packed on first use (bias included)."""
+        return _packed(self, kernels, None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -429,7 +454,8 @@ QUANT_MODES = ("none", "int8", "int4")
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
                     group_size: int = 32, kernels: str = "torch") -> nn.Module:
     """A linear layer for `weight` [out, in]: "none" keeps its dtype; with torch's kernels "int8"
-    is per-channel and "int4" min/max affine with `group_size` inputs per group; with tandem's
+    is per-channel and "int4" min/max affine with `group_size` inputs per group (a layer whose
+    inputs do not split into such groups gets int8, with a warning); with tandem's
     block kernels both quantize blocks of 32 inputs (layers whose inputs do not split into blocks
     keep torch's kernels)."""
     if kernels not in KERNELS:
@@ -441,6 +467,13 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, mode: str,
     if mode == "int8":
         return Int8Linear.quantize(weight, bias)
     if mode == "int4":
+        if weight.shape[1] % group_size:
+            # torch's int4 kernel needs whole groups; a zero-padded int8 layer is exact instead.
+            if "int4-width" not in _warned_fallback:
+                _warned_fallback.add("int4-width")
+                warnings.warn(f"int4: a layer with {weight.shape[1]} inputs does not split into groups of "
+                              f"{group_size}; such layers use int8 weights", stacklevel=2)
+            return Int8Linear.quantize(weight, bias)
         return Int4Linear.quantize(weight, bias, group_size)
     raise ValueError(f"mode must be one of {QUANT_MODES}, got {mode!r}")
 
@@ -475,8 +508,8 @@ def concat_out_features(mods: list[nn.Module]) -> nn.Module:
         return DenseLinear(torch.cat([m.weight for m in mods]),
                            _cat_bias(mods, mods[0].weight.dtype))
     if kind is Int8Linear:
-        return Int8Linear(torch.cat([m.weight for m in mods]),
-                          torch.cat([m.scales for m in mods]), _cat_bias(mods, torch.bfloat16))
+        return Int8Linear(torch.cat([m.weight for m in mods]), torch.cat([m.scales for m in mods]),
+                          _cat_bias(mods, torch.bfloat16), mods[0].in_features)
     if kind is Int4Linear:
         if len({m.group_size for m in mods}) != 1:
             raise ValueError(f"group sizes differ: {[m.group_size for m in mods]}")

@@ -16,6 +16,7 @@ from tandem.model.kernels import TreeKeys
 from tandem.model.kv_cache import KVCache
 from tandem.model.quant import prefill_rows
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
+from tandem.verify.paths import tree_paths
 
 
 @dataclass
@@ -71,16 +72,6 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
         if p >= 0:
             anc[t] |= anc[p]
     return anc
-
-
-def tree_paths(parents: list[int]) -> list[list[int]]:
-    """Each node's path from its root to itself (node indices, root first)."""
-    paths: list[list[int]] = []
-    for t, p in enumerate(parents):
-        if p >= t:
-            raise ValueError(f"tree parents must precede children; node {t} has parent {p}")
-        paths.append((paths[p] if p >= 0 else []) + [t])
-    return paths
 
 
 class ModelRunner:

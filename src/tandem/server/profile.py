@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.model.loader import LoadedModel, cache_root
+from tandem.model.kernels import cpu_name, kernel_description
+from tandem.model.loader import LoadedModel
+from tandem.paths import cache_root
 from tandem.scheduler.cost_model import CostCurve
 
 log = logging.getLogger("tandem.server")
@@ -38,10 +40,15 @@ def monotone(points: dict[int, float]) -> dict[int, float]:
 
 
 def profile_key(loaded: LoadedModel, device: str, threads: int) -> str:
+    """Names one measured curve: the model, its weights and dtype, the kernels that run them
+    (a TANDEM_KERNELS override measures anew) and the machine (the CPU's model name)."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(loaded.name).name)
-    digest = hashlib.sha1(loaded.name.encode()).hexdigest()[:8]
     dtype = str(loaded.dtype).replace("torch.", "")
-    return f"{name}-{digest}-{loaded.quantization}-{dtype}-{device}-t{threads}"
+    kernels = kernel_description() if loaded.kernels == "block" else loaded.kernels
+    machine = cpu_name() if device == "cpu" else device
+    digest = hashlib.sha1("|".join((loaded.name, kernels, machine)).encode()).hexdigest()[:8]
+    variant = re.sub(r"[^A-Za-z0-9_.-]+", "_", kernels)
+    return f"{name}-{digest}-{loaded.quantization}-{dtype}-{variant}-{device}-t{threads}"
 
 
 def default_profile_path(loaded: LoadedModel, device: str, threads: int) -> Path:

@@ -112,7 +112,7 @@ def _slug(name: str) -> str:
 
 
 def _data_dir(args, target_name: str) -> Path:
-    from tandem.model.loader import cache_root
+    from tandem.paths import cache_root
 
     return Path(args.data_dir) if args.data_dir else cache_root() / "train" / _slug(target_name)
 

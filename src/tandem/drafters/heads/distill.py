@@ -245,7 +245,7 @@ def materialize_draft_model(head_dir: str | Path, target) -> Path:
     import tempfile
 
     from tandem.drafters.heads.io import WEIGHTS_FILE, load_head, read_head_config
-    from tandem.model.loader import cache_root
+    from tandem.paths import cache_root
 
     record = read_head_config(head_dir)
     if record["method"] != "draft_model":

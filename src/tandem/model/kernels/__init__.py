@@ -1,10 +1,18 @@
 """tandem's own CPU kernels (block_matmul.cpp): block-quantized weights times int8-quantized
-activations, with AVX2, in the style of llama.cpp's Q4_1 x Q8_1 dot products.
+activations, a small-batch GEMM that reads each weight block once for every row of a call, and
+the decoder layer loop in one native call.
 
-The source is compiled with the local g++ at first use (a few seconds) into
-TANDEM_CACHE_DIR/kernels, keyed by the source and flags, and called through ctypes. Machines
-without AVX2/FMA or a compiler fall back to torch's int4/int8 kernels with one warning;
-TANDEM_KERNELS=torch forces that fallback (to compare the two).
+The source is compiled with the local g++ at first use (a few seconds) once per instruction-set
+variant, cached under TANDEM_CACHE_DIR/kernels keyed by the source and flags, and called through
+ctypes. The best variant the CPU supports is chosen from /proc/cpuinfo:
+
+    avx512   AVX-512 VNNI: vpdpbusd on zmm, 16 output rows per instruction
+    vnni256  256-bit VNNI (AVX-VNNI, or AVX512-VL with VNNI): vpdpbusd on ymm, 8 rows
+    avx2     AVX2 + FMA: vpmaddubsw + vpmaddwd, 8 rows
+
+TANDEM_KERNELS=avx512|vnni256|avx2 forces one (an error if this CPU cannot run it), and
+TANDEM_KERNELS=torch uses torch's int4/int8 kernels instead. Machines without AVX2/FMA or a
+compiler fall back to torch's kernels with one warning.
 """
 
 from __future__ import annotations
@@ -23,30 +31,121 @@ from pathlib import Path
 
 import torch
 
+from tandem.paths import cache_root
+
 log = logging.getLogger("tandem.kernels")
 
 SOURCE = Path(__file__).with_name("block_matmul.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 BLOCK = 32
 
 
-def cpu_has_avx2() -> bool:
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    lanes: int
+    cpu_flags: tuple[tuple[str, ...], ...]  # any one of these flag sets suffices
+    compile_flags: tuple[tuple[str, ...], ...]  # the flags for the matching cpu_flags entry
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+
+# Best first: auto picks the first one the CPU runs.
+VARIANTS = (
+    Variant("avx512", 16, (_AVX512,), (_AVX512_FLAGS,)),
+    Variant("vnni256", 8, ((*_AVX2, "avx_vnni"), _AVX512), ((*_AVX2_FLAGS, "-mavxvnni"), _AVX512_FLAGS)),
+    Variant("avx2", 8, (_AVX2,), (_AVX2_FLAGS,)),
+)
+VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+KERNEL_CHOICES = ("auto", *VARIANT_NAMES, "torch")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags and "f16c" in flags
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for figures and profile keys."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def _compile_flags(variant: Variant, flags: frozenset[str]) -> tuple[str, ...] | None:
+    for needed, compile_flags in zip(variant.cpu_flags, variant.compile_flags):
+        if set(needed) <= flags:
+            return compile_flags
+    return None
+
+
+def supported_variants() -> list[str]:
+    """The block-kernel variants this CPU can run, best first."""
+    flags = cpu_flags()
+    return [v.name for v in VARIANTS if _compile_flags(v, flags) is not None]
+
+
+def cpu_has_avx2() -> bool:
+    return "avx2" in supported_variants()
+
+
+def requested_kernels() -> str:
+    choice = os.environ.get("TANDEM_KERNELS", "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"TANDEM_KERNELS={choice!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    return choice
+
+
+def selected_variant() -> str | None:
+    """The variant block_kernels() runs: TANDEM_KERNELS's, or the best this CPU supports; None
+    for torch's kernels."""
+    choice = requested_kernels()
+    if choice == "torch":
+        return None
+    supported = supported_variants()
+    if choice == "auto":
+        return supported[0] if supported else None
+    if choice not in supported:
+        raise ValueError(f"TANDEM_KERNELS={choice}: this CPU cannot run it (it runs: {', '.join(supported) or 'none'})")
+    return choice
+
+
+def kernel_description() -> str:
+    """What runs the quantized linears here: the block-kernel variant or torch's kernels."""
+    k = block_kernels()
+    return f"tandem {k.variant}" if k is not None else "torch int4/int8"
 
 
 IDENTITY, RMS_NORM, SWIGLU, GEGLU = 0, 1, 2, 3  # input transforms fused into a linear
 
 
-class _LinearArgs(ctypes.Structure):
+class _Weights(ctypes.Structure):
     _fields_ = [
-        ("x", ctypes.c_void_p), ("n", ctypes.c_int64), ("K", ctypes.c_int64), ("x_stride", ctypes.c_int64),
+        ("packed", ctypes.c_void_p), ("pd", ctypes.c_void_p), ("pm", ctypes.c_void_p),
+        ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("q4", ctypes.c_int),
+    ]
+
+
+class _LinearCall(ctypes.Structure):
+    _fields_ = [
+        ("w", ctypes.POINTER(_Weights)), ("x", ctypes.c_void_p), ("n", ctypes.c_int64), ("x_stride", ctypes.c_int64),
         ("transform", ctypes.c_int), ("norm_w", ctypes.c_void_p), ("eps", ctypes.c_float),
-        ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("N", ctypes.c_int64),
-        ("bias", ctypes.c_void_p), ("residual", ctypes.c_void_p), ("y", ctypes.c_void_p), ("threads", ctypes.c_int),
+        ("residual", ctypes.c_void_p), ("y", ctypes.c_void_p), ("threads", ctypes.c_int), ("prefill", ctypes.c_int),
     ]
 
 
@@ -61,30 +160,123 @@ class _AttendArgs(ctypes.Structure):
     ]
 
 
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", ctypes.POINTER(_Weights)), ("o", ctypes.POINTER(_Weights)), ("gate_up", ctypes.POINTER(_Weights)),
+        ("down", ctypes.POINTER(_Weights)), ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
+    ]
+
+
+class _DecoderArgs(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.POINTER(_DecoderLayer)), ("num_layers", ctypes.c_int64),
+        ("H", ctypes.c_int64), ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int),
+        ("x", ctypes.c_void_p), ("T", ctypes.c_int64),
+        ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hi", ctypes.c_void_p),
+        ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+        ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("M", ctypes.c_int64), ("layer_stride", ctypes.c_int64),
+        ("capture", ctypes.POINTER(ctypes.c_void_p)), ("threads", ctypes.c_int),
+    ]
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class BlockKernels:
-    """The compiled library. Inputs must be contiguous float32 CPU tensors; outputs are new
-    float32 tensors unless `out` is given."""
+class BlockWeights:
+    """One linear layer's weights as the kernels read them: the GGUF block layout (for the
+    prefill path) and the same blocks repacked into groups of `lanes` output rows (for the
+    small-batch GEMM; see block_matmul.cpp). Built once per layer by BlockKernels.pack; holds
+    the tensors its native record points into."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._q4 = lib.tandem_q4_linear
-        self._q8 = lib.tandem_q8_linear
-        self._q4_dense = lib.tandem_q4_linear_dense
-        self._q8_dense = lib.tandem_q8_linear_dense
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None,
+                 lanes: int, q8_bias: int) -> None:
+        N = qs.shape[0]
+        K = qs.shape[1] * 2 if m is not None else qs.shape[1]
+        nb = K // BLOCK
+        groups = -(-N // lanes)
+        pad = groups * lanes - N
+        if m is not None:
+            codes = torch.cat([qs.view(N, nb, 16) & 0xF, qs.view(N, nb, 16) >> 4], dim=-1)  # [N, nb, 32]
+            codes = torch.nn.functional.pad(codes, (0, 0, 0, 0, 0, pad))
+            quads = codes.view(groups, lanes, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [G, nb, 8, lanes, 4]
+            packed = quads[:, :, :4] | (quads[:, :, 4:] << 4)
+        else:
+            codes = torch.nn.functional.pad(qs.view(N, nb, 32), (0, 0, 0, 0, 0, pad))
+            quads = codes.view(groups, lanes, nb, 8, 4).permute(0, 2, 3, 1, 4)
+            packed = (quads.to(torch.int16) + q8_bias).to(torch.uint8) if q8_bias else quads.view(torch.uint8)
+
+        def grouped(scales: torch.Tensor) -> torch.Tensor:
+            padded = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))
+            return padded.view(groups, lanes, nb).permute(0, 2, 1).contiguous()
+
+        self.packed = packed.contiguous()
+        self.pd = grouped(d)
+        self.pm = grouped(m) if m is not None else None
+        self.qs, self.d = qs.contiguous(), d.float().contiguous()
+        self.m = m.float().contiguous() if m is not None else None
+        self.bias = bias.float().contiguous() if bias is not None else None
+        self.in_features, self.out_features = K, N
+        self.record = _Weights(_ptr(self.packed), _ptr(self.pd), _ptr(self.pm), _ptr(self.qs), _ptr(self.d),
+                               _ptr(self.m), _ptr(self.bias), N, K, int(m is not None))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the small-batch GEMM reads per forward (packed codes and scales)."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.pd, self.pm) if t is not None)
+
+
+class BlockKernels:
+    """The compiled library of one variant. Inputs must be contiguous float32 CPU tensors;
+    outputs are new float32 tensors unless `out` is given."""
+
+    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+        self.variant = variant
+        self.lanes = lib.tandem_lanes()
+        self._q8_bias = lib.tandem_q8_bias()
+        self._linear = lib.tandem_linear
         self._attend = lib.tandem_attend
-        for fn, args in ((self._q4, _LinearArgs), (self._q8, _LinearArgs), (self._q4_dense, _LinearArgs),
-                         (self._q8_dense, _LinearArgs), (self._attend, _AttendArgs)):
+        self._decoder = lib.tandem_decoder_forward
+        self._peak = lib.tandem_int8_peak
+        self._peak.argtypes = [ctypes.c_int64, ctypes.c_int]
+        self._peak.restype = ctypes.c_int64
+        for fn, args in ((self._linear, _LinearCall), (self._attend, _AttendArgs), (self._decoder, _DecoderArgs)):
             fn.argtypes = [ctypes.POINTER(args)]
             fn.restype = None
 
-    def linear(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-               bias: torch.Tensor | None = None, *, transform: int = IDENTITY, norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               prefill: bool = False) -> torch.Tensor:
-        """transform(x [n, *]) @ W^T (+ bias) (+ residual) -> [n, N], W in q4 blocks (m given) or q8.
+    def int8_peak(self, threads: int | None = None, seconds: float = 0.3) -> float:
+        """Multiply-adds per second of this variant's int8 instruction (vpdpbusd, or
+        vpmaddubsw + vpmaddwd on AVX2) in a register-only loop on `threads` threads: best of 5."""
+        import time
+
+        threads = threads or torch.get_num_threads()
+        iters = 1 << 16
+        while True:  # size the loop to about `seconds`
+            t = time.perf_counter()
+            macs = self._peak(iters, threads)
+            elapsed = time.perf_counter() - t
+            if elapsed > seconds / 4:
+                break
+            iters *= 4
+        best = elapsed
+        for _ in range(4):
+            t = time.perf_counter()
+            self._peak(iters, threads)
+            best = min(best, time.perf_counter() - t)
+        return macs / best
+
+    def pack(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> BlockWeights:
+        """q4 (m given: qs uint8 [N, K/2], GGUF Q4_1 layout) or q8 (qs int8 [N, K]) blocks, with
+        d (and m) [N, K/32], in the layout this variant reads."""
+        return BlockWeights(qs, d, m, bias, self.lanes, self._q8_bias)
+
+    def linear(self, x: torch.Tensor, w: BlockWeights, *, transform: int = IDENTITY,
+               norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, prefill: bool = False) -> torch.Tensor:
+        """transform(x [n, *]) @ W^T (+ bias) (+ residual) -> [n, N].
 
         transform RMS_NORM needs norm_weight [K]; SWIGLU/GEGLU read rows of width 2K (gate | up).
         out may be the residual tensor itself (an in-place residual add). prefill: the fp32 path
@@ -92,28 +284,14 @@ class BlockKernels:
         the integer path's, equally row-independent): for prompt tokens only.
         """
         n, width = x.shape
-        K = qs.shape[1] * 2 if m is not None else qs.shape[1]
-        N = qs.shape[0]
-        expected = 2 * K if transform in (SWIGLU, GEGLU) else K
+        expected = 2 * w.in_features if transform in (SWIGLU, GEGLU) else w.in_features
         if width != expected:
             raise ValueError(f"input rows have width {width}, the layer needs {expected}")
-        y = torch.empty(n, N, dtype=torch.float32) if out is None else out
-        args = _LinearArgs(
-            _ptr(x), n, K, width, transform, _ptr(norm_weight), eps, _ptr(qs), _ptr(d), _ptr(m), N,
-            _ptr(bias), _ptr(residual), _ptr(y), torch.get_num_threads(),
-        )
-        if prefill:
-            (self._q4_dense if m is not None else self._q8_dense)(ctypes.byref(args))
-        else:
-            (self._q4 if m is not None else self._q8)(ctypes.byref(args))
+        y = torch.empty(n, w.out_features, dtype=torch.float32) if out is None else out
+        call = _LinearCall(ctypes.pointer(w.record), _ptr(x), n, width, transform, _ptr(norm_weight), eps,
+                           _ptr(residual), _ptr(y), torch.get_num_threads(), int(prefill))
+        self._linear(ctypes.byref(call))
         return y
-
-    def q4_matmul(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                  prefill: bool = False) -> torch.Tensor:
-        return self.linear(x, qs, d, m, prefill=prefill)
-
-    def q8_matmul(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        return self.linear(x, qs, d, None, prefill=prefill)
 
     def attend(self, qkv: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, window: int | None,
@@ -136,6 +314,45 @@ class BlockKernels:
         self._attend(ctypes.byref(args))
         return out
 
+    def decoder(self, layers: ctypes.Array, x: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor,
+                tree: "TreeKeys | None", cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, shape: "DecoderShape", capture: dict[int, torch.Tensor]) -> None:
+        """Run every decoder layer over x [T, H] in place (see block_matmul.cpp decoder_forward):
+        layers is a ctypes array of _DecoderLayer (decoder_layers builds it once per model);
+        k_cache/v_cache [L, S, Hkv, M, D]; capture {layer: [T, H] tensor} receives layer outputs."""
+        pos, hi, key_off, keys = (None,) * 4 if tree is None else (tree.pos, tree.hi, tree.key_off, tree.keys)
+        L = len(layers)
+        slots = (ctypes.c_void_p * L)(*[_ptr(capture.get(li)) for li in range(L)]) if capture else None
+        args = _DecoderArgs(
+            layers, L, shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale,
+            shape.activation, _ptr(x), x.shape[0], _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
+            _ptr(keys), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[3],
+            k_cache[0].numel(), slots, torch.get_num_threads(),
+        )
+        self._decoder(ctypes.byref(args))
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    activation: int  # SWIGLU or GEGLU
+
+
+def decoder_layers(layers: list[tuple[BlockWeights, BlockWeights, BlockWeights, BlockWeights,
+                                      torch.Tensor, torch.Tensor, int | None]]) -> ctypes.Array:
+    """The native records of a model's layers (qkv, o, gate_up, down, attn_norm, mlp_norm,
+    window), built once; the caller keeps the BlockWeights and norms alive."""
+    return (_DecoderLayer * len(layers))(*[
+        _DecoderLayer(ctypes.pointer(qkv.record), ctypes.pointer(o.record), ctypes.pointer(gu.record),
+                      ctypes.pointer(down.record), _ptr(attn_norm), _ptr(mlp_norm), window or 0)
+        for qkv, o, gu, down, attn_norm, mlp_norm, window in layers
+    ])
+
 
 @dataclass(frozen=True)
 class TreeKeys:
@@ -150,7 +367,7 @@ class TreeKeys:
     keys: torch.Tensor
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, flags: list[str]) -> None:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) found")
@@ -159,7 +376,7 @@ def _build(out: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         tmp_path = Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", str(tmp_path), str(SOURCE)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, "-o", str(tmp_path), str(SOURCE)], check=True, capture_output=True, text=True)
         tmp_path.replace(out)
     except subprocess.CalledProcessError as err:
         tmp_path.unlink(missing_ok=True)
@@ -167,23 +384,40 @@ def _build(out: Path) -> None:
 
 
 @functools.cache
-def block_kernels() -> BlockKernels | None:
-    """The compiled kernels, or None where they cannot run here (then callers use torch's)."""
-    if os.environ.get("TANDEM_KERNELS", "auto") == "torch":
-        return None
-    if not cpu_has_avx2():
-        warnings.warn("this CPU lacks AVX2/FMA/F16C: using torch's int4/int8 kernels", stacklevel=2)
-        return None
-    from tandem.model.loader import cache_root
+def load_variant(name: str) -> BlockKernels:
+    """The compiled kernels of one variant (compiled on first use); raises if it cannot run here."""
+    variant = next((v for v in VARIANTS if v.name == name), None)
+    if variant is None:
+        raise ValueError(f"unknown kernel variant {name!r}; known: {', '.join(VARIANT_NAMES)}")
+    isa = _compile_flags(variant, cpu_flags())
+    if isa is None:
+        raise ValueError(f"this CPU cannot run the {name} kernels")
+    flags = [*COMMON_FLAGS, *isa, f"-DTANDEM_LANES={variant.lanes}"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    lib_path = cache_root() / "kernels" / f"block_matmul-{name}-{key}.so"
+    if not lib_path.exists():
+        log.info("compiling tandem's %s CPU block kernels into %s", name, lib_path)
+        _build(lib_path, flags)
+    # torch is imported first, so its libgomp already serves the kernels' OpenMP pool.
+    return BlockKernels(ctypes.CDLL(str(lib_path)), name)
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    lib_path = cache_root() / "kernels" / f"block_matmul-{key}.so"
-    try:
-        if not lib_path.exists():
-            log.info("compiling tandem's CPU block kernels into %s", lib_path)
-            _build(lib_path)
-        # torch is imported first, so its libgomp already serves the kernels' OpenMP pool.
-        return BlockKernels(ctypes.CDLL(str(lib_path)))
-    except (OSError, RuntimeError) as err:
-        warnings.warn(f"could not build tandem's CPU kernels ({err}); using torch's int4/int8 kernels", stacklevel=2)
+
+@functools.cache
+def _block_kernels(variant: str | None) -> BlockKernels | None:
+    if variant is None:
+        if requested_kernels() == "auto":
+            warnings.warn("this CPU lacks AVX2/FMA/F16C: using torch's int4/int8 kernels", stacklevel=3)
         return None
+    try:
+        kernels = load_variant(variant)
+    except (OSError, RuntimeError) as err:
+        warnings.warn(f"could not build tandem's CPU kernels ({err}); using torch's int4/int8 kernels", stacklevel=3)
+        return None
+    log.info("block kernels: %s (%s)", variant, cpu_name())
+    return kernels
+
+
+def block_kernels() -> BlockKernels | None:
+    """The kernels TANDEM_KERNELS selects (default: the best variant this CPU runs), or None
+    where torch's kernels serve instead."""
+    return _block_kernels(selected_variant())

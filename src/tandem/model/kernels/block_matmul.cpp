@@ -1,30 +1,186 @@
-// Block-quantized weight x block-quantized activation matmuls for AVX2 CPUs (C ABI, OpenMP).
+// Block-quantized weight x int8-quantized activation matmuls for x86 CPUs (C ABI, OpenMP), and a
+// decoder-layer loop over them, compiled once per instruction-set variant (kernels/__init__.py):
+//
+//   TANDEM_LANES == 16, AVX-512 VNNI   vpdpbusd on zmm: 16 output rows per instruction
+//   TANDEM_LANES == 8, 256-bit VNNI    vpdpbusd on ymm (AVX-VNNI or AVX512-VL VNNI)
+//   TANDEM_LANES == 8, AVX2            vpmaddubsw + vpmaddwd in place of vpdpbusd
 //
 // Weights come in blocks of 32 input columns per output row:
-//   q4: w = d * q + m with q in 0..15; byte j of a block holds q_j (low nibble) and q_{j+16}
-//       (high nibble), the GGUF Q4_1 layout.
-//   q8: w = d * q with q in -127..127.
+//   q4: w = d * q + m with q in 0..15 (GGUF Q4_1; the GGUF layout: byte j of a block holds q_j in
+//       its low nibble and q_{j+16} in its high nibble).
+//   q8: w = d * q with q in -127..127 (GGUF Q8_0).
 // Each activation row is quantized on entry to int8 blocks of 32 (scale = max|x| / 127), so a
-// block's dot product is one integer multiply-add chain: sum_j q_w,j * q_x,j.
+// block's dot product is an exact integer sum_j q_w,j * q_x,j.
 //
-// Determinism: every output element is computed by one thread, in the same block order, from the
-// same quantized activation row, whatever the number of rows or threads. So row i of a call over
-// n rows equals the call over row i alone, bit for bit (speculative verification relies on it).
+// The small-batch GEMM (packed_matmul) reads weights repacked at load into groups of LANES output
+// rows: for each group and block, the 32 columns of the group's rows are stored as 8 "quads" of
+// 4 consecutive columns, each quad one vector of LANES x 4 bytes (lane l = output row l of the
+// group). One vpdpbusd then multiplies a quad of LANES rows by the same 4 activation bytes
+// broadcast to every lane. A block is unpacked into registers once and used for every
+// activation row of the call (up to kRowTile at a time), so verifying k tokens reads each weight
+// once, not k times.
+//   q4 packed: [groups][blocks][4][LANES][4] bytes; the low nibbles hold quads 0..3 (columns
+//              0..15 of the block), the high nibbles quads 4..7 (columns 16..31).
+//   q8 packed: [groups][blocks][8][LANES][4] bytes, signed on AVX2, biased by +128 (unsigned,
+//              as vpdpbusd's first operand must be) on the VNNI variants, whose integer sums then
+//              subtract 128 * sum(q_x) exactly.
+//   scales:    d (and m) as [groups][blocks][LANES] floats.
+//
+// Determinism: every output element is computed by one thread, block by block in the same order,
+// from the same quantized activation row, whatever the number of rows, the row tile or the
+// thread count (integer partial sums are exact, so splitting them changes nothing). So row i of
+// a call over n rows equals the call over row i alone, bit for bit: speculative verification of
+// k tokens reproduces k one-token decoding steps. Variants differ from each other only in
+// rounding (their float operation orders differ).
 
 #include <immintrin.h>
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#ifndef TANDEM_LANES
+#error "compile with -DTANDEM_LANES=16 (AVX-512 VNNI) or 8 (256-bit)"
+#endif
 
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int kLanes = TANDEM_LANES;
+constexpr int kRowTile = 8;  // activation rows per pass over a group's weights
+
+// ---- the vector type of one variant ---------------------------------------------------------
+
+#if TANDEM_LANES == 16
+#if !defined(__AVX512VNNI__) || !defined(__AVX512BW__)
+#error "16 lanes need AVX-512 BW and VNNI"
+#endif
+using vi = __m512i;
+using vf = __m512;
+constexpr bool kVnni = true;
+inline vi vload(const void* p) { return _mm512_loadu_si512(p); }
+inline vi vbcast32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+inline vi vsplat32(int32_t v) { return _mm512_set1_epi32(v); }
+inline vi vzero() { return _mm512_setzero_si512(); }
+inline vi vadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi vsub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vi vlow_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline vi vhigh_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+// acc + sum over each lane's 4 byte pairs of u (unsigned) * s (signed).
+inline vi vdot_u8s8(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
+inline vf vloadf(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vsplatf(float f) { return _mm512_set1_ps(f); }
+inline vf vzerof() { return _mm512_setzero_ps(); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstoref(float* p, vf v) { _mm512_storeu_ps(p, v); }
+#else
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "8 lanes need AVX2 and FMA"
+#endif
+using vi = __m256i;
+using vf = __m256;
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool kVnni = true;
+inline vi vdot_u8s8(vi acc, vi u, vi s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#else
+constexpr bool kVnni = false;
+// vpmaddubsw saturates its 16-bit pair sums: callers keep |u * s| pairs below 2^15 (q4 codes are
+// at most 15; q8 goes through the sign trick below with |q| <= 127).
+inline vi vdot_u8s8(vi acc, vi u, vi s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+inline vi vload(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline vi vbcast32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+inline vi vsplat32(int32_t v) { return _mm256_set1_epi32(v); }
+inline vi vzero() { return _mm256_setzero_si256(); }
+inline vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi vsub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+inline vi vlow_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline vi vhigh_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
+inline vf vloadf(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vsplatf(float f) { return _mm256_set1_ps(f); }
+inline vf vzerof() { return _mm256_setzero_ps(); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstoref(float* p, vf v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// ---- 8-lane float helpers (every variant has AVX2 + FMA) ------------------------------------
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for 8 floats, within about 2 ulp of std::exp over the range used here: x = n ln2 + r with
+// |r| <= ln2 / 2 (ln2 split in two for an exact reduction), e^r by its degree-6 Taylor
+// polynomial (truncation error below 2e-7 relative), times 2^n built in the exponent bits.
+// Inputs are clamped to [-87, 88], so the result is never inf or a denormal.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Loads/stores of the first `n` (< 8) floats, the rest zero: the tails of rows that are not
+// a multiple of 8 wide.
+inline __m256i tail_mask(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// ---- weights and activations ----------------------------------------------------------------
+
+struct Weights {          // one linear layer, as BlockKernels.pack lays it out (see the header)
+  const uint8_t* packed;  // grouped blocks
+  const float* pd;        // [groups][blocks][LANES]
+  const float* pm;        // [groups][blocks][LANES] (q4), else null
+  const uint8_t* qs;      // GGUF layout [N, K/2] (q4) or [N, K] (q8): the prefill path reads it
+  const float* d;         // [N, K/32]
+  const float* m;         // [N, K/32] (q4), else null
+  const float* bias;      // [N] or null
+  int64_t N, K;
+  int q4;
+};
+
 struct QuantizedRows {
   std::vector<int8_t> q;          // [n, K]
   std::vector<float> scale;       // [n, nb]
   std::vector<float> scaled_sum;  // [n, nb]: scale * sum(q), for the q4 offset term
+  std::vector<int32_t> sum;       // [n, nb]: sum(q), for the q8 bias on VNNI
 };
 
 void quantize_rows(const float* x, int64_t n, int64_t K, QuantizedRows& out) {
@@ -32,27 +188,40 @@ void quantize_rows(const float* x, int64_t n, int64_t K, QuantizedRows& out) {
   out.q.resize(n * K);
   out.scale.resize(n * nb);
   out.scaled_sum.resize(n * nb);
+  out.sum.resize(n * nb);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* src = x + i * K + b * kBlock;
-      float amax = 0.f;
-      for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(src[j]));
-      const float s = amax / 127.f;
-      const float inv = s > 0.f ? 1.f / s : 0.f;
-      int8_t* dst = out.q.data() + i * K + b * kBlock;
-      int sum = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        const int v = static_cast<int>(std::nearbyint(src[j] * inv));
-        dst[j] = static_cast<int8_t>(v);
-        sum += v;
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(src + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
       }
+      const float s = hmax8(amax) / 127.f;
+      const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f);
+      __m256i q[4], total = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        // round half to even, as std::nearbyint in the default rounding mode
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        total = _mm256_add_epi32(total, q[j]);
+      }
+      const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+      // packs interleaves 128-bit lanes: restore element order with one permute.
+      const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * K + b * kBlock), q8);
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
+      int sum = 0;
+      for (int j = 0; j < 8; ++j) sum += lanes[j];
       out.scale[i * nb + b] = s;
       out.scaled_sum[i * nb + b] = s * static_cast<float>(sum);
+      out.sum[i * nb + b] = sum;
     }
   }
 }
 
-// What the linear applies to each input row before multiplying (fused, so the row never
+// What a linear applies to each input row before multiplying (fused, so the row never
 // round-trips through separate framework ops).
 enum InputTransform : int {
   kIdentity = 0,   // x
@@ -62,172 +231,163 @@ enum InputTransform : int {
 };
 
 // Rows of the transformed input [n, K], row by row in a fixed order (deterministic per row).
+// K is a multiple of 32 (the block size), so rows are whole 8-float vectors.
 void transform_rows(const float* x, int64_t n, int64_t K, int64_t x_stride, int transform, const float* w,
                     float eps, std::vector<float>& out) {
   out.resize(n * K);
+  const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
   for (int64_t i = 0; i < n; ++i) {
     const float* src = x + i * x_stride;
     float* dst = out.data() + i * K;
     if (transform == kRmsNorm) {
-      double ss = 0.0;
-      for (int64_t j = 0; j < K; ++j) ss += static_cast<double>(src[j]) * src[j];
-      const float r = 1.f / std::sqrt(static_cast<float>(ss / K) + eps);
-      for (int64_t j = 0; j < K; ++j) dst[j] = src[j] * r * w[j];
-    } else if (transform == kSwiGLU) {
-      for (int64_t j = 0; j < K; ++j) dst[j] = src[j] / (1.f + std::exp(-src[j])) * src[K + j];
-    } else if (transform == kGeGLU) {
-      constexpr float c = 0.7978845608028654f;  // sqrt(2 / pi)
-      for (int64_t j = 0; j < K; ++j) {
-        const float g = src[j];
-        dst[j] = 0.5f * g * (1.f + std::tanh(c * (g + 0.044715f * g * g * g))) * src[K + j];
+      __m256d ss0 = _mm256_setzero_pd(), ss1 = _mm256_setzero_pd();
+      for (int64_t j = 0; j < K; j += 8) {
+        const __m256 v = _mm256_loadu_ps(src + j);
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        ss0 = _mm256_fmadd_pd(lo, lo, ss0);
+        ss1 = _mm256_fmadd_pd(hi, hi, ss1);
+      }
+      alignas(32) double part[4];
+      _mm256_store_pd(part, _mm256_add_pd(ss0, ss1));
+      const double ss = (part[0] + part[1]) + (part[2] + part[3]);
+      const __m256 r = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(ss / K) + eps));
+      for (int64_t j = 0; j < K; j += 8)
+        _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + j), r), _mm256_loadu_ps(w + j)));
+    } else if (transform == kSwiGLU) {  // g / (1 + e^-g) * u
+      for (int64_t j = 0; j < K; j += 8) {
+        const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+      }
+    } else if (transform == kGeGLU) {  // 0.5 g (1 + tanh(c (g + 0.044715 g^3))) u, tanh z = 1 - 2 / (e^2z + 1)
+      const __m256 c2 = _mm256_set1_ps(2.f * 0.7978845608028654f), k3 = _mm256_set1_ps(0.044715f);
+      for (int64_t j = 0; j < K; j += 8) {
+        const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
+        const __m256 z2 = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k3, g), _mm256_mul_ps(g, g), g));
+        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(exp8(z2), one)));
+        _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, t)), u));
       }
     } else {
-      for (int64_t j = 0; j < K; ++j) dst[j] = src[j];
+      std::copy(src, src + K, dst);
     }
   }
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Sum of products of unsigned (0..255) and signed bytes, as 8 floats.
-inline __m256 dot_u8_s8(__m256i u, __m256i s) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-inline __m256i expand_q4(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-}
-
-inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// out[i] = sum_b a[b] * c[i][b] with a vector dot (used for the per-block scale products).
-inline void scale_products(const float* d, const float* xs, int64_t nb, float* ds) {
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(ds + b, _mm256_mul_ps(_mm256_loadu_ps(d + b), _mm256_loadu_ps(xs + b)));
-  for (; b < nb; ++b) ds[b] = d[b] * xs[b];
-}
-
-inline float dot(const float* a, const float* c, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(c + b), acc);
-  float s = hsum(acc);
-  for (; b < nb; ++b) s += a[b] * c[b];
-  return s;
-}
-
-// One weight block times one activation block: 8 partial sums as floats.
-template <bool kQ4>
-inline __m256 block_dot(__m256i w, __m256i w_abs, __m256i xv) {
-  // q8: |w| * (x with w's sign) = w * x, with the unsigned operand maddubs needs.
-  return kQ4 ? dot_u8_s8(w, xv) : dot_u8_s8(w_abs, _mm256_sign_epi8(xv, w));
-}
-
-template <bool kQ4>
-inline void load_block(const uint8_t* wrow, int64_t b, __m256i& w, __m256i& w_abs) {
-  if constexpr (kQ4) {
-    w = expand_q4(wrow + b * (kBlock / 2));
-  } else {
-    w = load32(reinterpret_cast<const int8_t*>(wrow) + b * kBlock);
-    w_abs = _mm256_sign_epi8(w, w);
-  }
-}
-
-// R activation rows against one weight row. Each row keeps two accumulators (even and odd
-// blocks) so consecutive FMAs do not wait on each other; every R uses this same per-row order,
-// which keeps results independent of how rows are tiled.
-template <bool kQ4, int R>
-inline void row_tile(const uint8_t* wrow, const float* ds, int64_t nb, const int8_t* xq, int64_t K, float* sums) {
-  __m256 even[R], odd[R];
-  for (int i = 0; i < R; ++i) { even[i] = _mm256_setzero_ps(); odd[i] = _mm256_setzero_ps(); }
-  int64_t b = 0;
-  __m256i w0, a0, w1, a1;
-  for (; b + 2 <= nb; b += 2) {
-    load_block<kQ4>(wrow, b, w0, a0);
-    load_block<kQ4>(wrow, b + 1, w1, a1);
-    for (int i = 0; i < R; ++i) {
-      const int8_t* xr = xq + i * K + b * kBlock;
-      even[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds + i * nb + b), block_dot<kQ4>(w0, a0, load32(xr)), even[i]);
-      odd[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds + i * nb + b + 1), block_dot<kQ4>(w1, a1, load32(xr + kBlock)), odd[i]);
-    }
-  }
-  if (b < nb) {
-    load_block<kQ4>(wrow, b, w0, a0);
-    for (int i = 0; i < R; ++i)
-      even[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ds + i * nb + b), block_dot<kQ4>(w0, a0, load32(xq + i * K + b * kBlock)), even[i]);
-  }
-  for (int i = 0; i < R; ++i) sums[i] = hsum(_mm256_add_ps(even[i], odd[i]));
-}
-
-constexpr int kMaxTile = 4;
-
-struct LinearArgs {
+struct LinearCall {
+  const Weights* w;
   const float* x;         // [n, x_stride] input rows
-  int64_t n, K, x_stride;
+  int64_t n, x_stride;
   int transform;          // InputTransform
   const float* norm_w;    // [K] for kRmsNorm
   float eps;
-  const void* qs;         // weight blocks [N, K/2] uint8 (q4) or [N, K] int8 (q8)
-  const float* d;         // [N, K/32]
-  const float* m;         // [N, K/32] (q4 only)
-  int64_t N;
-  const float* bias;      // [N] or null
   const float* residual;  // [n, N] added to the output, or null (may alias y)
   float* y;               // [n, N]
   int threads;
+  int prefill;            // 1: the fp32 prompt path (dense_matmul)
 };
 
+// ---- the small-batch GEMM -------------------------------------------------------------------
+
+// One block of one group unpacked into registers: quad j of the group's LANES rows in w[j].
 template <bool kQ4>
-void block_matmul(const LinearArgs& a) {
-  const int64_t n = a.n, K = a.K, N = a.N;
-  const float* d = a.d;
-  const float* m = a.m;
-  float* y = a.y;
-  const int threads = a.threads;
-  const int64_t nb = K / kBlock;
-  const int64_t row_bytes = kQ4 ? K / 2 : K;
-  QuantizedRows xq;
-  if (a.transform == kIdentity && a.x_stride == K) {
-    quantize_rows(a.x, n, K, xq);
-  } else {
-    std::vector<float> rows;
-    transform_rows(a.x, n, K, a.x_stride, a.transform, a.norm_w, a.eps, rows);
-    quantize_rows(rows.data(), n, K, xq);
-  }
-  const void* weights = a.qs;
-  const uint8_t* wbytes = static_cast<const uint8_t*>(weights);
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> ds(kMaxTile * nb);
-    float sums[kMaxTile];
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < N; ++r) {
-      const uint8_t* wrow = wbytes + r * row_bytes;
-      const float* drow = d + r * nb;
-      for (int64_t i0 = 0; i0 < n; i0 += kMaxTile) {
-        const int64_t rows = n - i0 < kMaxTile ? n - i0 : kMaxTile;
-        for (int64_t i = 0; i < rows; ++i)
-          scale_products(drow, xq.scale.data() + (i0 + i) * nb, nb, ds.data() + i * nb);
-        const int8_t* xr = xq.q.data() + i0 * K;
-        switch (rows) {
-          case 1: row_tile<kQ4, 1>(wrow, ds.data(), nb, xr, K, sums); break;
-          case 2: row_tile<kQ4, 2>(wrow, ds.data(), nb, xr, K, sums); break;
-          case 3: row_tile<kQ4, 3>(wrow, ds.data(), nb, xr, K, sums); break;
-          default: row_tile<kQ4, 4>(wrow, ds.data(), nb, xr, K, sums); break;
+struct BlockRegs {
+  vi w[8];
+#if TANDEM_LANES == 8
+  vi sign[8];  // AVX2 q8: the signed codes (w holds their magnitudes)
+#endif
+  inline void load(const uint8_t* p) {
+    if constexpr (kQ4) {
+      for (int j = 0; j < 4; ++j) {
+        const vi v = vload(p + j * 4 * kLanes);
+        w[j] = vlow_nibbles(v);
+        w[j + 4] = vhigh_nibbles(v);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) w[j] = vload(p + j * 4 * kLanes);
+#if TANDEM_LANES == 8
+      if constexpr (!kVnni) {
+        for (int j = 0; j < 8; ++j) {
+          sign[j] = w[j];
+          w[j] = _mm256_sign_epi8(w[j], w[j]);
         }
-        for (int64_t i = 0; i < rows; ++i) {
-          float v = sums[i];
-          if constexpr (kQ4) v += dot(m + r * nb, xq.scaled_sum.data() + (i0 + i) * nb, nb);
-          if (a.bias) v += a.bias[r];
-          if (a.residual) v += a.residual[(i0 + i) * N + r];
-          y[(i0 + i) * N + r] = v;
+      }
+#endif
+    }
+  }
+  // Integer dot product of the block with one activation block (32 int8 at x), per lane.
+  inline vi dot(const int8_t* x) const {
+    vi even = vzero(), odd = vzero();
+    for (int j = 0; j < 8; j += 2) {
+      vi xa = vbcast32(x + 4 * j), xb = vbcast32(x + 4 * j + 4);
+#if TANDEM_LANES == 8
+      if constexpr (!kQ4 && !kVnni) {  // |w| * (x with w's sign) = w * x
+        xa = _mm256_sign_epi8(xa, sign[j]);
+        xb = _mm256_sign_epi8(xb, sign[j + 1]);
+      }
+#endif
+      even = vdot_u8s8(even, w[j], xa);
+      odd = vdot_u8s8(odd, w[j + 1], xb);
+    }
+    return vadd32(even, odd);
+  }
+};
+
+constexpr int kQ8Bias = kVnni ? 128 : 0;  // added to q8 codes in the packed layout
+
+template <bool kQ4, int R>
+void group_rows(const Weights& w, int64_t g, const QuantizedRows& xq, int64_t i0, float* out) {
+  const int64_t K = w.K, nb = K / kBlock;
+  const int64_t block_bytes = kQ4 ? 16 * kLanes : 32 * kLanes;
+  const uint8_t* wg = w.packed + g * nb * block_bytes;
+  const float* dg = w.pd + g * nb * kLanes;
+  const float* mg = kQ4 ? w.pm + g * nb * kLanes : nullptr;
+  vf acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = vzerof();
+  BlockRegs<kQ4> regs;
+  for (int64_t b = 0; b < nb; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(wg + (b + 4) * block_bytes), _MM_HINT_T0);
+    regs.load(wg + b * block_bytes);
+    const vf dv = vloadf(dg + b * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const int64_t row = i0 + i;
+      vi s = regs.dot(xq.q.data() + row * K + b * kBlock);
+      if constexpr (!kQ4 && kQ8Bias != 0) s = vsub32(s, vsplat32(kQ8Bias * xq.sum[row * nb + b]));
+      acc[i] = vfma(vcvt(s), vmul(dv, vsplatf(xq.scale[row * nb + b])), acc[i]);
+      if constexpr (kQ4) acc[i] = vfma(vloadf(mg + b * kLanes), vsplatf(xq.scaled_sum[row * nb + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) vstoref(out + i * kLanes, acc[i]);
+}
+
+template <bool kQ4>
+void packed_matmul(const LinearCall& c, const QuantizedRows& xq) {
+  const Weights& w = *c.w;
+  const int64_t n = c.n, N = w.N;
+  const int64_t groups = (N + kLanes - 1) / kLanes;
+#pragma omp parallel for schedule(static) num_threads(c.threads)
+  for (int64_t g = 0; g < groups; ++g) {
+    alignas(64) float sums[kRowTile * kLanes];
+    const int64_t r0 = g * kLanes, lanes = std::min<int64_t>(kLanes, N - r0);
+    for (int64_t i0 = 0; i0 < n; i0 += kRowTile) {
+      const int64_t rows = std::min<int64_t>(kRowTile, n - i0);
+      switch (rows) {
+        case 1: group_rows<kQ4, 1>(w, g, xq, i0, sums); break;
+        case 2: group_rows<kQ4, 2>(w, g, xq, i0, sums); break;
+        case 3: group_rows<kQ4, 3>(w, g, xq, i0, sums); break;
+        case 4: group_rows<kQ4, 4>(w, g, xq, i0, sums); break;
+        case 5: group_rows<kQ4, 5>(w, g, xq, i0, sums); break;
+        case 6: group_rows<kQ4, 6>(w, g, xq, i0, sums); break;
+        case 7: group_rows<kQ4, 7>(w, g, xq, i0, sums); break;
+        default: group_rows<kQ4, 8>(w, g, xq, i0, sums); break;
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        float* y = c.y + (i0 + i) * N + r0;
+        const float* res = c.residual ? c.residual + (i0 + i) * N + r0 : nullptr;
+        for (int64_t l = 0; l < lanes; ++l) {
+          float v = sums[i * kLanes + l];
+          if (w.bias) v += w.bias[r0 + l];
+          if (res) v += res[l];
+          y[l] = v;
         }
       }
     }
@@ -245,22 +405,21 @@ void block_matmul(const LinearArgs& a) {
 
 constexpr int64_t kDenseChunk = 64;  // weight rows dequantized at a time (64 x K fp32 fits L2)
 
-template <bool kQ4>
-void dequantize_rows(const LinearArgs& a, int64_t r0, int64_t rows, float* out) {
-  const int64_t K = a.K, nb = K / kBlock;
+void dequantize_rows(const Weights& w, int64_t r0, int64_t rows, float* out) {
+  const int64_t K = w.K, nb = K / kBlock;
   for (int64_t r = r0; r < r0 + rows; ++r) {
     float* dst = out + (r - r0) * K;
     for (int64_t b = 0; b < nb; ++b) {
-      const float d = a.d[r * nb + b];
-      if constexpr (kQ4) {
-        const float m = a.m[r * nb + b];
-        const uint8_t* q = static_cast<const uint8_t*>(a.qs) + r * (K / 2) + b * (kBlock / 2);
+      const float d = w.d[r * nb + b];
+      if (w.q4) {
+        const float m = w.m[r * nb + b];
+        const uint8_t* q = w.qs + r * (K / 2) + b * (kBlock / 2);
         for (int j = 0; j < kBlock / 2; ++j) {
           dst[b * kBlock + j] = d * static_cast<float>(q[j] & 0x0F) + m;
           dst[b * kBlock + j + kBlock / 2] = d * static_cast<float>(q[j] >> 4) + m;
         }
       } else {
-        const int8_t* q = static_cast<const int8_t*>(a.qs) + r * K + b * kBlock;
+        const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + r * K + b * kBlock;
         for (int j = 0; j < kBlock; ++j) dst[b * kBlock + j] = d * static_cast<float>(q[j]);
       }
     }
@@ -282,7 +441,7 @@ inline void dense_tile(const float* w, const float* x, int64_t K, float* sums) {
     }
   }
   for (int j = 0; j < WR; ++j)
-    for (int i = 0; i < IR; ++i) sums[j * IR + i] = hsum(acc[j][i]);
+    for (int i = 0; i < IR; ++i) sums[j * IR + i] = hsum8(acc[j][i]);
 }
 
 template <int WR>
@@ -295,37 +454,31 @@ inline void dense_rows(const float* w, const float* x, int64_t K, int64_t ir, fl
   }
 }
 
-template <bool kQ4>
-void dense_matmul(const LinearArgs& a) {
-  const int64_t n = a.n, K = a.K, N = a.N;
-  std::vector<float> rows;
-  const float* X = a.x;
-  if (a.transform != kIdentity || a.x_stride != K) {
-    transform_rows(a.x, n, K, a.x_stride, a.transform, a.norm_w, a.eps, rows);
-    X = rows.data();
-  }
+void dense_matmul(const LinearCall& c, const float* X) {
+  const Weights& w = *c.w;
+  const int64_t n = c.n, K = w.K, N = w.N;
   const int64_t chunks = (N + kDenseChunk - 1) / kDenseChunk;
-#pragma omp parallel num_threads(a.threads)
+#pragma omp parallel num_threads(c.threads)
   {
-    std::vector<float> w(kDenseChunk * K);
+    std::vector<float> wbuf(kDenseChunk * K);
     float sums[2 * 4];
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t r0 = c * kDenseChunk, wrows = std::min(kDenseChunk, N - r0);
-      dequantize_rows<kQ4>(a, r0, wrows, w.data());
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const int64_t r0 = ch * kDenseChunk, wrows = std::min(kDenseChunk, N - r0);
+      dequantize_rows(w, r0, wrows, wbuf.data());
       for (int64_t i0 = 0; i0 < n; i0 += 4) {
         const int64_t ir = std::min<int64_t>(4, n - i0);
         for (int64_t j0 = 0; j0 < wrows; j0 += 2) {
           const int64_t wr = std::min<int64_t>(2, wrows - j0);
-          if (wr == 2) dense_rows<2>(w.data() + j0 * K, X + i0 * K, K, ir, sums);
-          else dense_rows<1>(w.data() + j0 * K, X + i0 * K, K, ir, sums);
+          if (wr == 2) dense_rows<2>(wbuf.data() + j0 * K, X + i0 * K, K, ir, sums);
+          else dense_rows<1>(wbuf.data() + j0 * K, X + i0 * K, K, ir, sums);
           for (int64_t j = 0; j < wr; ++j) {
             const int64_t r = r0 + j0 + j;
             for (int64_t i = 0; i < ir; ++i) {
               float v = sums[j * ir + i];
-              if (a.bias) v += a.bias[r];
-              if (a.residual) v += a.residual[(i0 + i) * N + r];
-              a.y[(i0 + i) * N + r] = v;
+              if (w.bias) v += w.bias[r];
+              if (c.residual) v += c.residual[(i0 + i) * N + r];
+              c.y[(i0 + i) * N + r] = v;
             }
           }
         }
@@ -333,6 +486,26 @@ void dense_matmul(const LinearArgs& a) {
     }
   }
 }
+
+void linear(const LinearCall& c) {
+  const int64_t K = c.w->K;
+  std::vector<float> rows;
+  const float* X = c.x;
+  if (c.transform != kIdentity || c.x_stride != K) {
+    transform_rows(c.x, c.n, K, c.x_stride, c.transform, c.norm_w, c.eps, rows);
+    X = rows.data();
+  }
+  if (c.prefill) {
+    dense_matmul(c, X);
+    return;
+  }
+  QuantizedRows xq;
+  quantize_rows(X, c.n, K, xq);
+  if (c.w->q4) packed_matmul<true>(c, xq);
+  else packed_matmul<false>(c, xq);
+}
+
+// ---- attention --------------------------------------------------------------------------------
 
 // One query token per call row: RoPE on its q and k, k/v written to the cache, attention over
 // the cache slots [lo, slot] of its sequence, in a fixed order per token (so a token's output
@@ -369,9 +542,95 @@ inline float dot_d(const float* a, const float* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-  float s = hsum(acc);
+  float s = hsum8(acc);
   for (; j < D; ++j) s += a[j] * b[j];
   return s;
+}
+
+// The keys one query reads, in order: `range` consecutive slots from `lo` (the prefix), then
+// `num_extra` listed slots (a tree node's path).
+struct KeyList {
+  int64_t lo, range;
+  const int64_t* extra;
+  int64_t num_extra;
+  int64_t size() const { return range + num_extra; }
+  int64_t slot(int64_t i) const { return i < range ? lo + i : extra[i - range]; }
+};
+
+// Sum of 8 lanes as ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order the 4-key
+// reduction below uses too, so a key's score does not depend on which path computed it.
+inline float hsum8_pairwise(__m256 v) {
+  const __m256 t = _mm256_hadd_ps(v, v);
+  const __m256 u = _mm256_hadd_ps(t, t);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
+// Softmax of the n scores in place (padded to a multiple of 8) -> their sum. The padding lanes
+// are zeroed (exp8 clamps -inf to e^-87).
+inline float softmax_in_place(float* scores, int64_t n) {
+  __m256 mx8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = n; i < (n + 7) / 8 * 8; ++i) scores[i] = -INFINITY;
+  for (int64_t i = 0; i < n; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(scores + i));
+  const __m256 mx = _mm256_set1_ps(hmax8(mx8));
+  __m256 total8 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 live = _mm256_castsi256_ps(tail_mask(n - i));
+    const __m256 e = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), mx)));
+    _mm256_storeu_ps(scores + i, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  return hsum8(total8);
+}
+
+// One (token, head) with head dim 8 * D8: q and the output accumulate in registers, scores of
+// consecutive prefix keys four at a time. Every key's score is the same FMA chain over the
+// dims and the same pairwise reduction whichever branch computes it.
+template <int D8>
+void attend_head(const float* qp, const float* K, const float* V, const KeyList& keys, float scale,
+                 float* scores, float* o) {
+  constexpr int64_t D = 8 * D8;
+  __m256 q[D8];
+  for (int j = 0; j < D8; ++j) q[j] = _mm256_loadu_ps(qp + 8 * j);
+  auto dot = [&](const float* k) {
+    __m256 s = _mm256_setzero_ps();
+    for (int j = 0; j < D8; ++j) s = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(k + 8 * j), s);
+    return s;
+  };
+  const int64_t n = keys.size();
+  int64_t i = 0;
+  for (; i + 4 <= keys.range; i += 4) {
+    const float* k = K + (keys.lo + i) * D;
+    const __m256 s0 = dot(k), s1 = dot(k + D), s2 = dot(k + 2 * D), s3 = dot(k + 3 * D);
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storeu_ps(scores + i, _mm_mul_ps(four, _mm_set1_ps(scale)));
+  }
+  for (; i < n; ++i) scores[i] = hsum8_pairwise(dot(K + keys.slot(i) * D)) * scale;
+  const float total = softmax_in_place(scores, n);
+  __m256 acc[D8];
+  for (int j = 0; j < D8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; ++k) {
+    const __m256 e = _mm256_set1_ps(scores[k]);
+    const float* v = V + keys.slot(k) * D;
+    for (int j = 0; j < D8; ++j) acc[j] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * j), acc[j]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / total);
+  for (int j = 0; j < D8; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv));
+}
+
+// Any head dim: the same steps with the output accumulated in memory.
+void attend_head_any(const float* q, const float* K, const float* V, int64_t D, const KeyList& keys, float scale,
+                     float* scores, float* o) {
+  const int64_t n = keys.size();
+  for (int64_t i = 0; i < n; ++i) scores[i] = dot_d(q, K + keys.slot(i) * D, D) * scale;
+  const float total = softmax_in_place(scores, n);
+  std::fill(o, o + D, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = V + keys.slot(i) * D;
+    for (int64_t k = 0; k < D; ++k) o[k] += scores[i] * v[k];
+  }
+  const float inv = 1.f / total;
+  for (int64_t k = 0; k < D; ++k) o[k] *= inv;
 }
 
 void attend(const AttendArgs& a) {
@@ -393,53 +652,117 @@ void attend(const AttendArgs& a) {
   const int64_t group = Hq / Hkv;
 #pragma omp parallel num_threads(a.threads)
   {
-    std::vector<float> q(D), scores, acc(D);
+    std::vector<float> q(D), scores;
 #pragma omp for schedule(static)
     for (int64_t th = 0; th < T * Hq; ++th) {
       const int64_t t = th / Hq, h = th % Hq, kvh = h / group;
       const int64_t p = a.pos ? a.pos[t] : a.slot[t];
       const int64_t hi = a.hi ? a.hi[t] : a.slot[t] + 1;
       const int64_t lo = a.window > 0 && p + 1 > a.window ? p + 1 - a.window : 0;
-      const int64_t* extra = a.key_off ? a.keys + a.key_off[t] : nullptr;
-      const int64_t num_extra = a.key_off ? a.key_off[t + 1] - a.key_off[t] : 0;
-      const int64_t n = std::max<int64_t>(hi - lo, 0) + num_extra;
+      KeyList keys{lo, std::max<int64_t>(hi - lo, 0), a.key_off ? a.keys + a.key_off[t] : nullptr,
+                   a.key_off ? a.key_off[t + 1] - a.key_off[t] : 0};
       rope_into(a.qkv + t * width + h * D, a.cos + p * D, a.sin + p * D, D, q.data());
       const float* K = a.kcache + (a.seq[t] * Hkv + kvh) * M * D;
       const float* V = a.vcache + (a.seq[t] * Hkv + kvh) * M * D;
-      // The i-th key read: the contiguous range first, then the listed slots.
-      auto key_slot = [&](int64_t i) { return i < n - num_extra ? lo + i : extra[i - (n - num_extra)]; };
-      scores.resize(n);
-      float mx = -INFINITY;
-      for (int64_t i = 0; i < n; ++i) {
-        scores[i] = dot_d(q.data(), K + key_slot(i) * D, D) * a.scale;
-        mx = std::fmax(mx, scores[i]);
-      }
-      float total = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < n; ++i) {
-        const float e = std::exp(scores[i] - mx);
-        const float* v = V + key_slot(i) * D;
-        total += e;
-        const __m256 ev = _mm256_set1_ps(e);
-        int64_t k = 0;
-        for (; k + 8 <= D; k += 8)
-          _mm256_storeu_ps(acc.data() + k, _mm256_fmadd_ps(ev, _mm256_loadu_ps(v + k), _mm256_loadu_ps(acc.data() + k)));
-        for (; k < D; ++k) acc[k] += e * v[k];
-      }
       float* o = a.out + t * Hq * D + h * D;
-      const float inv = 1.f / total;
-      for (int64_t k = 0; k < D; ++k) o[k] = acc[k] * inv;
+      scores.resize((keys.size() + 7) / 8 * 8);
+      if (D == 64) attend_head<8>(q.data(), K, V, keys, a.scale, scores.data(), o);
+      else if (D == 128) attend_head<16>(q.data(), K, V, keys, a.scale, scores.data(), o);
+      else attend_head_any(q.data(), K, V, D, keys, a.scale, scores.data(), o);
     }
   }
+}
+
+// ---- the decoder stack in one call ----------------------------------------------------------
+
+struct DecoderLayer {
+  const Weights* qkv;
+  const Weights* o;
+  const Weights* gate_up;
+  const Weights* down;
+  const float* attn_norm;  // [H]
+  const float* mlp_norm;   // [H]
+  int64_t window;          // 0 = full attention
+};
+
+struct DecoderArgs {
+  const DecoderLayer* layers;
+  int64_t num_layers;
+  int64_t H, Hq, Hkv, D;
+  float eps, scale;
+  int activation;          // kSwiGLU or kGeGLU
+  float* x;                // [T, H] the embedded tokens in, the last layer's output out
+  int64_t T;
+  const int64_t* seq;      // as AttendArgs
+  const int64_t* slot;
+  const int64_t* pos;
+  const int64_t* hi;
+  const int64_t* key_off;
+  const int64_t* keys;
+  const float* cos;
+  const float* sin;
+  float* kcache;           // [L, S, Hkv, M, D]
+  float* vcache;
+  int64_t M;
+  int64_t layer_stride;    // elements between two layers' caches (S * Hkv * M * D)
+  float* const* capture;   // [num_layers]: where to copy layer l's output [T, H], or null
+  int threads;
+};
+
+// Each layer: x += o(attend(qkv(rms_norm(x)))); x += down(act(gate_up(rms_norm(x)))).
+void decoder_forward(const DecoderArgs& a) {
+  const int64_t T = a.T, H = a.H;
+  std::vector<float> qkv, attn(T * a.Hq * a.D), gate_up;
+  for (int64_t l = 0; l < a.num_layers; ++l) {
+    const DecoderLayer& layer = a.layers[l];
+    qkv.resize(T * layer.qkv->N);
+    gate_up.resize(T * layer.gate_up->N);
+    linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, qkv.data(), a.threads, 0});
+    attend({qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, a.cos, a.sin,
+            a.kcache + l * a.layer_stride, a.vcache + l * a.layer_stride, a.M, layer.window, a.scale, attn.data(),
+            a.threads});
+    linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, a.x, a.x, a.threads, 0});
+    linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, gate_up.data(), a.threads, 0});
+    linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, a.x, a.x, a.threads, 0});
+    if (a.capture && a.capture[l]) std::copy(a.x, a.x + T * H, a.capture[l]);
+  }
+}
+
+// ---- the int8 multiply-add peak, for `tandem bench base` ------------------------------------
+
+// `iters` rounds of kChains independent multiply-add chains per thread, registers only. Each
+// chain feeds its own accumulator back as the unsigned operand, so nothing is loop-invariant
+// and the compiler cannot hoist the arithmetic. Returns the multiply-adds done (all threads).
+int64_t int8_peak(int64_t iters, int threads) {
+  constexpr int kChains = kLanes == 16 ? 16 : 10;
+  int64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    volatile int32_t seed = omp_get_thread_num() + 3;
+    const vi s = vsplat32(seed * 0x01010101);
+    vi acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = vsplat32(seed + c);
+    for (int64_t it = 0; it < iters; ++it)
+      for (int c = 0; c < kChains; ++c) acc[c] = vdot_u8s8(acc[c], acc[c], s);
+    vi sum = acc[0];
+    for (int c = 1; c < kChains; ++c) sum = vadd32(sum, acc[c]);
+    alignas(64) int32_t lanes[kLanes];
+    std::memcpy(lanes, &sum, sizeof(lanes));
+    volatile int32_t sink = lanes[0];
+    (void)sink;
+    total += iters * kChains * kLanes * 4;
+  }
+  return total;
 }
 
 }  // namespace (API below)
 
 extern "C" {
 
-void tandem_q4_linear(const LinearArgs* a) { block_matmul<true>(*a); }
-void tandem_q8_linear(const LinearArgs* a) { block_matmul<false>(*a); }
-void tandem_q4_linear_dense(const LinearArgs* a) { dense_matmul<true>(*a); }
-void tandem_q8_linear_dense(const LinearArgs* a) { dense_matmul<false>(*a); }
+int tandem_lanes() { return kLanes; }
+int tandem_q8_bias() { return kQ8Bias; }
+void tandem_linear(const LinearCall* c) { linear(*c); }
 void tandem_attend(const AttendArgs* a) { attend(*a); }
+void tandem_decoder_forward(const DecoderArgs* a) { decoder_forward(*a); }
+int64_t tandem_int8_peak(int64_t iters, int threads) { return int8_peak(iters, threads); }
 }

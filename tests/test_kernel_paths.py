@@ -1,0 +1,94 @@
+"""The kernel switch: every path the quantized linears can take on this CPU (tandem's block-kernel
+variants and torch's int4/int8 kernels) runs the engine losslessly, the variants agree with each
+other, and TANDEM_KERNELS refuses what the CPU cannot run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ToyTokenizer, build_tiny
+from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.llm import LLM
+from tandem.model import kernels
+from tandem.model.arch import model_config_from_hf
+from tandem.model.loader import LoadedModel, StateDictSource, resolve_kernels
+from tandem.model.quant import BlockQ4Linear, BlockQ8Linear, Int4Linear
+from tandem.model.transformer import TransformerLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def quantized_tiny(arch: str) -> LoadedModel:
+    """A tiny random model with int4 weights on whatever path TANDEM_KERNELS selects."""
+    hf, _ = build_tiny(arch)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    cfg = model_config_from_hf(hf.config.to_dict())
+    path = resolve_kernels("int4")
+    dtype = torch.float32 if path == "block" else torch.bfloat16
+    model = TransformerLM(cfg, StateDictSource(state, "int4", dtype, kernels=path), dtype)
+    return LoadedModel(model, ToyTokenizer(), cfg, f"int4-{arch}", dtype, "int4", path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_every_kernel_path_keeps_speculative_greedy_output_plain(kernel_path, arch):
+    loaded = quantized_tiny(arch)
+    linear = type(loaded.model.layers[0].qkv)
+    assert linear is (Int4Linear if kernel_path == "torch" else BlockQ4Linear)
+    prompts = [[5, 6, 7, 8] * 6, list(range(20, 44)), [9, 10, 11] * 3]
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    plain = LLM.from_loaded(loaded, EngineConfig(max_model_len=96))
+    spec = LLM.from_loaded(loaded, EngineConfig(max_model_len=96, spec=SpecConfig("ngram", 4)))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.spec.num_draft_tokens for o in got) > 0
+
+
+@pytest.mark.parametrize("kind", [BlockQ4Linear, BlockQ8Linear])
+def test_block_variants_agree(kind):
+    """The variants differ in vector width, not in the arithmetic of one output element (exact
+    integer block sums, then the same float operations per element), so on the CPUs seen they
+    agree bit for bit; the stated tolerance is 1e-5 relative."""
+    variants = kernels.supported_variants()
+    if len(variants) < 2:
+        pytest.skip(f"this CPU runs only {variants}")
+    torch.manual_seed(0)
+    layer = kind.quantize(torch.randn(100, 576), torch.randn(100))
+    x = torch.randn(7, 576)
+    outs = {v: kernels.load_variant(v).linear(x, layer.blocks(kernels.load_variant(v))) for v in variants}
+    ref = F.linear(x, layer.dequantize(), layer.bias)
+    for v, y in outs.items():
+        torch.testing.assert_close(y, outs[variants[0]], rtol=1e-5, atol=1e-5, msg=f"{v} vs {variants[0]}")
+        torch.testing.assert_close(y, ref, rtol=0.05, atol=0.5)
+
+
+def test_kernels_choice_is_validated(monkeypatch):
+    monkeypatch.setenv("TANDEM_KERNELS", "sse9")
+    with pytest.raises(ValueError, match="choose one of"):
+        kernels.block_kernels()
+    missing = [v for v in kernels.VARIANT_NAMES if v not in kernels.supported_variants()]
+    if missing:
+        monkeypatch.setenv("TANDEM_KERNELS", missing[0])
+        with pytest.raises(ValueError, match="cannot run"):
+            kernels.block_kernels()
+    monkeypatch.setenv("TANDEM_KERNELS", "torch")
+    assert kernels.block_kernels() is None and kernels.kernel_description() == "torch int4/int8"
+
+
+def test_auto_picks_the_best_supported_variant(monkeypatch):
+    monkeypatch.setenv("TANDEM_KERNELS", "auto")
+    supported = kernels.supported_variants()
+    if not supported:
+        pytest.skip("no block-kernel variant runs here")
+    assert kernels.selected_variant() == supported[0]
+    assert kernels.block_kernels().variant == supported[0]
+
+
+def test_variants_follow_the_cpu_flags(monkeypatch):
+    zen3 = frozenset({"avx", "avx2", "fma", "f16c"})
+    zen4 = zen3 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    alder = zen3 | {"avx_vnni"}
+    for flags, expected in ((zen3, ["avx2"]), (zen4, ["avx512", "vnni256", "avx2"]), (alder, ["vnni256", "avx2"]),
+                            (frozenset({"sse2"}), [])):
+        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: flags)
+        assert kernels.supported_variants() == expected

@@ -1,0 +1,54 @@
+"""`tandem bench base`'s kernel section on a tiny block-quantized model and a tiny GGUF."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ToyTokenizer, build_tiny
+from tandem.bench import kernel_report as kr
+from tandem.model.arch import model_config_from_hf
+from tandem.model.kernels import block_kernels
+from tandem.model.loader import LoadedModel, StateDictSource
+from tandem.model.transformer import TransformerLM
+
+pytestmark = pytest.mark.skipif(block_kernels() is None, reason="needs tandem's block kernels")
+
+
+def test_the_report_measures_a_block_model(monkeypatch, capsys):
+    monkeypatch.setattr(kr, "measure_bandwidth", lambda: 10.0)  # a 1 GB pass is not a unit test
+    hf, _ = build_tiny("llama")
+    cfg = model_config_from_hf(hf.config.to_dict())
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    model = TransformerLM(cfg, StateDictSource(state, "int4", torch.float32, kernels="block"), torch.float32)
+    loaded = LoadedModel(model, ToyTokenizer(), cfg, "tiny", torch.float32, "int4", "block")
+    monkeypatch.setattr(kr, "gguf_step_bytes", lambda path: 1_000_000)
+    report = kr.kernel_report(loaded, gguf_path="model.gguf")
+    assert report.curve[1] == 1.0 and set(report.curve) == set(kr.CURVE)
+    assert report.int8_peak_gmac_s > 0 and report.tandem_bytes > 0
+    assert report.floor_ms == pytest.approx(1_000_000 / 10e9 * 1e3)
+    assert report.macs_per_row == kr.linear_macs(model) > 0
+    assert report.bf16_curve[1] == 1.0 and report.kernels.startswith("tandem ")
+    kr.print_kernel_report(report)
+    out = capsys.readouterr().out
+    assert "weight-read floor" in out and "int8 peak" in out and "bf16 F.linear reference" in out
+
+
+def test_gguf_step_bytes_skip_the_embedding_only_when_the_head_is_separate(tmp_path):
+    from gguf import GGUFWriter
+
+    def write(name, tensors):
+        path = tmp_path / name
+        w = GGUFWriter(str(path), "llama")
+        for tname, array in tensors.items():
+            w.add_tensor(tname, array)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    embd, out, norm = np.zeros((8, 4), np.float32), np.zeros((8, 4), np.float32), np.zeros(4, np.float32)
+    tied = write("tied.gguf", {"token_embd.weight": embd, "blk.0.attn_norm.weight": norm})
+    assert kr.gguf_step_bytes(tied) == embd.nbytes + norm.nbytes
+    untied = write("untied.gguf", {"token_embd.weight": embd, "output.weight": out, "blk.0.attn_norm.weight": norm})
+    assert kr.gguf_step_bytes(untied) == out.nbytes + norm.nbytes
