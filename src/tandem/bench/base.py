@@ -21,6 +21,7 @@ import torch
 from tandem.bench.kernel_report import kernel_report, measure_bandwidth, model_weight_bytes, print_kernel_report
 from tandem.bench.prompts import spec_bench_prompts
 from tandem.config import SamplingParams
+from tandem.model.kernels import kernel_description
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 
@@ -96,7 +97,7 @@ def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_
     loaded = llm.loaded
     label = f"tandem {loaded.quantization}/{str(loaded.dtype).replace('torch.', '')}"
     if loaded.quantization != "none":
-        label += f" ({loaded.kernels} kernels)"
+        label += f" ({kernel_description() if loaded.kernels == 'block' else 'torch kernels'})"
     return BaseResult(label, tokens / seconds, model_weight_bytes(llm.loaded.model), cost_curve=curve,
                       step_ms=curve[1] * 1000, token_ids=token_ids)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from tandem.bench.kernel_report import ISA_FLAGS
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.model.kernels import cpu_flags, cpu_name, kernel_description
 from tandem.types import SpecStats
 
 if TYPE_CHECKING:
@@ -452,13 +453,11 @@ def _tables(cases, runs, hf_runs, temperature) -> dict:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    """The CPU (model name and the instruction sets the kernels care about), the kernels that ran
+    the quantized linears, threads, torch and the date: what every figure is reported next to."""
+    flags = cpu_flags()
+    return {"cpu": cpu_name(), "isa": [f for f in ISA_FLAGS if f in flags], "kernels": kernel_description(),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 

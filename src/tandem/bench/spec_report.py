@@ -95,6 +95,9 @@ def print_table(report: dict) -> None:
     mode = "greedy" if report["temperature"] == 0 else f"temperature {report['temperature']}"
     print(f"\nOverall: {report['model']} ({report['quantization']}/{report['dtype']}), {mode}, "
           f"{report['num_prompts']} prompts, k = {report['num_draft_tokens']}, up to {report['max_new_tokens']} new tokens")
+    machine = report.get("machine", {})
+    if "kernels" in machine:
+        print(f"CPU: {machine['cpu']} ({' '.join(machine['isa'])}), {machine['torch_threads']} threads, {machine['kernels']}")
     head = f"{'configuration':34} {'tau':>5} {'acc':>5}  {'acceptance per position':24} {'tok/s':>7} {'speedup':>8}"
     print(head)
     print("-" * len(head))

@@ -730,20 +730,21 @@ void decoder_forward(const DecoderArgs& a) {
 
 // ---- the int8 multiply-add peak, for `tandem bench base` ------------------------------------
 
-// `iters` rounds of kChains independent multiply-add chains per thread, registers only. Each
-// chain feeds its own accumulator back as the unsigned operand, so nothing is loop-invariant
-// and the compiler cannot hoist the arithmetic. Returns the multiply-adds done (all threads).
+// `iters` rounds of kChains independent multiply-add chains per thread, registers only, inputs
+// from a volatile seed. vpdpbusd accumulates into its chain, so it cannot be hoisted; the AVX2
+// pair (vpmaddubsw + vpmaddwd, then an add) could be, so there each chain feeds its accumulator
+// back as the unsigned operand. Returns the multiply-adds done (all threads).
 int64_t int8_peak(int64_t iters, int threads) {
   constexpr int kChains = kLanes == 16 ? 16 : 10;
   int64_t total = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
   {
     volatile int32_t seed = omp_get_thread_num() + 3;
-    const vi s = vsplat32(seed * 0x01010101);
+    const vi s = vsplat32(seed * 0x01010101), u = vsplat32(seed * 0x02030405);
     vi acc[kChains];
     for (int c = 0; c < kChains; ++c) acc[c] = vsplat32(seed + c);
     for (int64_t it = 0; it < iters; ++it)
-      for (int c = 0; c < kChains; ++c) acc[c] = vdot_u8s8(acc[c], acc[c], s);
+      for (int c = 0; c < kChains; ++c) acc[c] = vdot_u8s8(acc[c], kVnni ? u : acc[c], s);
     vi sum = acc[0];
     for (int c = 1; c < kChains; ++c) sum = vadd32(sum, acc[c]);
     alignas(64) int32_t lanes[kLanes];
