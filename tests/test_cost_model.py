@@ -29,7 +29,7 @@ def test_expected_tau_by_hand():
 
 
 @pytest.mark.parametrize("alpha, k, tau", [
-    (0.7, 3, 2.533), (0.7, 10, 3.267), (0.4, 3, 1.624), (0.4, 7, 1.666),  # ALGORITHMS.md section 1 (3.26 there is truncated)
+    (0.7, 3, 2.533), (0.7, 10, 3.267), (0.4, 3, 1.624), (0.4, 7, 1.666),  # docs/algorithms.md section 0
     (0.5, 1, 1.5), (0.5, 2, 1.75), (0.0, 4, 1.0), (1.0, 4, 5.0),
 ])
 def test_expected_tau_uniform_by_hand(alpha, k, tau):

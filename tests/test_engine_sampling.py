@@ -421,7 +421,7 @@ CUT = 0.3
 
 
 def cut_before_an_unlikely_draft(propose):
-    """A length decision that reads the draft (ALGORITHMS.md 4b): each draft is cut before its
+    """A length decision that reads the draft (docs/algorithms.md section 5): each draft is cut before its
     first token the drafter itself found unlikely (q(d_j) < CUT). Graded with the q-ratio rule,
     a draft token that survived the cut no longer has law q: the output is biased."""
     def wrapped(self, batch):

@@ -17,7 +17,7 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CHEAP = CostCurve.from_points({n: 0.010 + 0.00001 * n for n in SIZES})
 # Verification as expensive as decoding: time grows linearly with tokens.
 LINEAR = CostCurve.from_points({n: 0.010 * n for n in SIZES})
-# CPU-shaped: flat to ~4 tokens (per-op overhead), then compute-bound (CPU-NOTES int4 figures).
+# CPU-shaped: flat to ~4 tokens (per-op overhead), then compute-bound (torch int4 kernels measured on a 2-core CPU).
 CPU = CostCurve.from_points({1: 0.030, 2: 0.032, 4: 0.036, 8: 0.060, 16: 0.110, 32: 0.210, 64: 0.410, 128: 0.810})
 
 

@@ -1,6 +1,6 @@
 """The chain verifier is lossless: simulated rounds commit tokens distributed exactly as the target.
 
-p_1..p_{K+1} do not depend on the prefix here, so the rule of ALGORITHMS.md section 1 implies: the
+p_1..p_{K+1} do not depend on the prefix here, so the rule of docs/algorithms.md section 1 implies: the
 token committed at position j of a round, among rounds that reach j, is distributed as p_j whatever
 the drafter did. Each scenario also checks the recovered tokens against the residual and the
 acceptance rate at each position. Negative controls (broken verifiers) must fail the same checks.
@@ -221,7 +221,7 @@ def test_draws_over_a_large_vocabulary_follow_the_target():
     assert check.passed, report([check])
 
 
-# Negative controls: verifiers with bugs that have shipped elsewhere (ALGORITHMS.md sections 1, 5).
+# Negative controls: verifiers with bugs that have shipped elsewhere (docs/algorithms.md sections 1, 7).
 
 
 def soft_q_for_argmax_draft(target, drafts, draft_probs, *rest):

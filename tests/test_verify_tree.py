@@ -1,4 +1,4 @@
-"""The tree verifier (ALGORITHMS.md section 2): greedy paths, the deterministic-children rule's
+"""The tree verifier (docs/algorithms.md section 2): greedy paths, the deterministic-children rule's
 distribution (every committed token follows the target's law, whatever the tree), sibling
 deduplication, validation; and the Draft tree helpers the engine and drafters use."""
 
@@ -197,7 +197,7 @@ TREE_ROWS = tree_rows()
 
 
 def reference_verify_tree(probs, tokens, parents, generator, bug=None):
-    """A plain copy of the deterministic-children rule (ALGORITHMS.md section 2), one uniform
+    """A plain copy of the deterministic-children rule (docs/algorithms.md section 2), one uniform
     per child tried and one for the final token, with optional bugs:
     "no_renormalisation": after a rejected child its token is zeroed but the next child is
         still accepted with probability p'(c) / (the mass before any rejection);

@@ -1,7 +1,7 @@
 """Logits -> processed probability vectors, and seeded draws from them.
 
 The processed vector is exactly what plain sampling draws from; the verifier compares drafts
-against the same vectors (ALGORITHMS.md section 1). Order: repetition penalty, temperature,
+against the same vectors (docs/algorithms.md section 1). Order: repetition penalty, temperature,
 top-k, top-p, min-p, then renormalise, all in fp32.
 """
 

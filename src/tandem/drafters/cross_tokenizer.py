@@ -3,7 +3,7 @@
 Each round the committed context is decoded to text and encoded with the draft tokenizer (the draft
 KV cache keeps the common token prefix), the draft model extends it greedily, and the new text is
 re-encoded with the target tokenizer. Drafts are deterministic (probs=None): exact under greedy,
-graded with the one-hot rule under sampling (ALGORITHMS.md sections 1 and 3).
+graded with the one-hot rule under sampling (docs/algorithms.md sections 1 and 3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Separate draft model (ALGORITHMS.md section 3): a smaller LM with the target's tokenizer drafts k tokens.
+"""Separate draft model (docs/algorithms.md section 3): a smaller LM with the target's tokenizer drafts k tokens.
 
 The draft model runs on its own KV cache (`DraftLM`, shared with the cross-tokenizer drafter). Each
 round a request's cache row is rolled back to the longest prefix it shares with the committed

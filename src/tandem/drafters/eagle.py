@@ -1,7 +1,7 @@
 """EAGLE-1 and EAGLE-3 drafters: one trained decoder layer drafts from the target's features.
 
 Per request the layer keeps a small KV cache over the positions whose true target features it
-has seen. Each round (ALGORITHMS.md section 3):
+has seen. Each round (docs/algorithms.md section 3):
 1. catch-up: the hidden rows of the tokens the target just committed, paired with the token
    after each (position j: embedding(x_{j+1}) with feature f_j), extend the cache; the output at
    the last row gives draft token 1;

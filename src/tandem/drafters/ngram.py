@@ -1,6 +1,6 @@
 """N-gram (prompt lookup) drafter: copy what followed the latest earlier occurrence of the context's tail.
 
-Model-free and deterministic (ALGORITHMS.md section 3). Each request keeps an incremental index from
+Model-free and deterministic (docs/algorithms.md section 3). Each request keeps an incremental index from
 n-gram to its most recent continuation position, so a call costs O(ngram_max) lookups plus the
 tokens that arrived since the previous call, never a rescan of the context.
 """

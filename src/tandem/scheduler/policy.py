@@ -2,7 +2,7 @@
 
 Decided before anything is drafted, from the batch size, the target's measured forward cost curve
 and each request's acceptance in *earlier* rounds, never from the draft being decided about
-(ALGORITHMS.md section 3, non-anticipation): the verifier then stays lossless whatever k it picks.
+(docs/algorithms.md section 5, non-anticipation): the verifier then stays lossless whatever k it picks.
 """
 
 from __future__ import annotations

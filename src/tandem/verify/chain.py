@@ -1,6 +1,6 @@
 """Chain verification: grade each request's K draft tokens against the target in one pass.
 
-Implements the lossless rule of ALGORITHMS.md section 1 for sampled and deterministic drafts, and
+Implements the lossless rule of docs/algorithms.md section 1 for sampled and deterministic drafts, and
 the greedy identity rule, batched over requests with different draft lengths.
 """
 
@@ -36,7 +36,7 @@ def verify_chain(
         own k + 1 are padding and never read for decisions.
     draft_tokens: [B, K] long; positions past a request's own k are padding (any value).
     draft_probs: see DraftProbs; q must be processed exactly like the distribution the drafter
-        sampled from (ALGORITHMS.md section 5).
+        sampled from (docs/algorithms.md section 7).
     num_drafts: [B] each request's own k in [0, K]; k = 0 samples one token from p_1.
     generators: one per request. A sampled request draws k + 1 fp64 uniforms per round from its
         own generator (k acceptance tests, then the recovered/bonus draw), so its tokens do not
@@ -134,7 +134,7 @@ def _count_accepted(
 ) -> torch.Tensor:
     """Length of each request's run of accepted drafts: [B]."""
     k_max = tokens.shape[1]
-    # ALGORITHMS.md section 1, step 3: accept d_i when u * q_i(d_i) < p_i(d_i), i.e. with
+    # docs/algorithms.md section 1: accept d_i when u * q_i(d_i) < p_i(d_i), i.e. with
     # probability min(1, p/q). A deterministic draft has one-hot q, so q_i(d_i) = 1 and the same
     # test accepts with probability p_i(d_i).
     p_at_draft = target_probs[:, :k_max].gather(-1, tokens[..., None]).squeeze(-1)  # [B, K]
@@ -171,7 +171,7 @@ def _final_tokens(
         position = num_accepted[rejected]
         dist = _recovery_distribution(target_probs, tokens, draft_probs, rejected, position)  # [R, V]
         # p <= q everywhere leaves no residual: for normalised vectors only when p == q up to
-        # rounding (or for an inconsistent q). Then draw from p_i itself (ALGORITHMS.md 1.3).
+        # rounding (or for an inconsistent q). Then draw from p_i itself (docs/algorithms.md section 1).
         empty = dist.sum(-1) <= 0  # [R]
         if bool(empty.any()):
             dist[empty] = target_probs[rejected[empty], position[empty]].float()
@@ -188,7 +188,7 @@ def _recovery_distribution(
 ) -> torch.Tensor:
     """Unnormalised law of the recovered token after rejecting `positions` of batch `rows`: [R, V].
 
-    Sampled drafts leave max(0, p_i - q_i) (ALGORITHMS.md 1.3). A deterministic draft has one-hot
+    Sampled drafts leave max(0, p_i - q_i) (docs/algorithms.md section 1). A deterministic draft has one-hot
     q, where the same formula is p_i with d_i zeroed (p(d) - 1 <= 0): done without building q.
     Everything is edited in place in one copy of the target rows (fresh [R, V] buffers cost more
     than the arithmetic at V = 262144).
@@ -209,7 +209,7 @@ def _recovery_distribution(
 
 
 def _residual_(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """max(0, p - q) written into p: the recovered token's unnormalised law (ALGORITHMS.md 1.3)."""
+    """max(0, p - q) written into p: the recovered token's unnormalised law (docs/algorithms.md section 1)."""
     return p.sub_(q).clamp_(min=0.0)
 
 

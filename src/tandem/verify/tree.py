@@ -1,6 +1,6 @@
 """Tree verification: grade one request's draft tree against the target in one pass.
 
-Implements ALGORITHMS.md section 2 for deterministic children (top-k trees from EAGLE heads,
+Implements docs/algorithms.md section 2 for deterministic children (top-k trees from EAGLE heads,
 lookup drafts merged into a tree): walk from the root, try each node's children in draft order,
 accept child c with probability p'(c), else set p'(c) = 0 and renormalise; when no child passes,
 draw from what is left of p'. Every token's law is p's, whatever the tree. Greedy requests take

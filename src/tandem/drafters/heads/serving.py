@@ -1,5 +1,5 @@
 """What every trained-head drafter shares: loading the head for the target, and turning head
-logits into draft tokens plus the q rows the verifier needs (ALGORITHMS.md section 1).
+logits into draft tokens plus the q rows the verifier needs (docs/algorithms.md section 1).
 
 Greedy requests get argmax drafts (deterministic, no q). Sampled requests draw each draft token
 from the head's processed distribution q (same temperature / top-k / top-p / min-p / repetition
