@@ -593,19 +593,27 @@ inline float softmax_in_place(float* scores, int64_t n) {
   return hsum8(total8);
 }
 
-// One (token, head) with head dim 8 * D8: q and the output accumulate in registers, scores of
-// consecutive prefix keys four at a time. Every key's score is the same FMA chain over the
-// dims and the same pairwise reduction whichever branch computes it.
-template <int D8>
+// One (token, head) with head dim DV * LANES: q and the output accumulate in registers (zmm on
+// the AVX-512 variant), scores of consecutive prefix keys four at a time. Every key's score is the
+// same FMA chain over the dims and the same reduction whichever branch computes it.
+inline __m256 fold8(vf v) {
+#if TANDEM_LANES == 16
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+  return v;
+#endif
+}
+
+template <int DV>
 void attend_head(const float* qp, const float* K, const float* V, const KeyList& keys, float scale,
                  float* scores, float* o) {
-  constexpr int64_t D = 8 * D8;
-  __m256 q[D8];
-  for (int j = 0; j < D8; ++j) q[j] = _mm256_loadu_ps(qp + 8 * j);
+  constexpr int64_t D = DV * kLanes;
+  vf q[DV];
+  for (int j = 0; j < DV; ++j) q[j] = vloadf(qp + kLanes * j);
   auto dot = [&](const float* k) {
-    __m256 s = _mm256_setzero_ps();
-    for (int j = 0; j < D8; ++j) s = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(k + 8 * j), s);
-    return s;
+    vf s = vzerof();
+    for (int j = 0; j < DV; ++j) s = vfma(q[j], vloadf(k + kLanes * j), s);
+    return fold8(s);
   };
   const int64_t n = keys.size();
   int64_t i = 0;
@@ -618,15 +626,15 @@ void attend_head(const float* qp, const float* K, const float* V, const KeyList&
   }
   for (; i < n; ++i) scores[i] = hsum8_pairwise(dot(K + keys.slot(i) * D)) * scale;
   const float total = softmax_in_place(scores, n);
-  __m256 acc[D8];
-  for (int j = 0; j < D8; ++j) acc[j] = _mm256_setzero_ps();
+  vf acc[DV];
+  for (int j = 0; j < DV; ++j) acc[j] = vzerof();
   for (int64_t k = 0; k < n; ++k) {
-    const __m256 e = _mm256_set1_ps(scores[k]);
+    const vf e = vsplatf(scores[k]);
     const float* v = V + keys.slot(k) * D;
-    for (int j = 0; j < D8; ++j) acc[j] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    for (int j = 0; j < DV; ++j) acc[j] = vfma(e, vloadf(v + kLanes * j), acc[j]);
   }
-  const __m256 inv = _mm256_set1_ps(1.f / total);
-  for (int j = 0; j < D8; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv));
+  const vf inv = vsplatf(1.f / total);
+  for (int j = 0; j < DV; ++j) vstoref(o + kLanes * j, vmul(acc[j], inv));
 }
 
 // Any head dim: the same steps with the output accumulated in memory.
@@ -677,8 +685,8 @@ void attend(const AttendArgs& a) {
       const float* V = a.vcache + (a.seq[t] * Hkv + kvh) * M * D;
       float* o = a.out + t * Hq * D + h * D;
       scores.resize((keys.size() + 7) / 8 * 8);
-      if (D == 64) attend_head<8>(q.data(), K, V, keys, a.scale, scores.data(), o);
-      else if (D == 128) attend_head<16>(q.data(), K, V, keys, a.scale, scores.data(), o);
+      if (D == 64) attend_head<64 / kLanes>(q.data(), K, V, keys, a.scale, scores.data(), o);
+      else if (D == 128) attend_head<128 / kLanes>(q.data(), K, V, keys, a.scale, scores.data(), o);
       else attend_head_any(q.data(), K, V, D, keys, a.scale, scores.data(), o);
     }
   }
