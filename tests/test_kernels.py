@@ -129,7 +129,7 @@ def runner_for(model, max_seqs=4, max_len=64):
     return ModelRunner(model, KVCache(model.cfg, max_seqs, max_len, model.dtype))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3"])
 def test_fused_path_matches_general_path(arch):
     _, model = block_model(arch)
     assert fused_eligible(model)
@@ -149,8 +149,8 @@ def test_fused_path_matches_general_path(arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3"])
 def test_block_verification_is_bitwise_plain_decoding(arch):
     """A verification forward over several tokens, batched with another sequence, reproduces
-    one-token decoding bit for bit on the block kernels: through the fused path (llama, qwen2,
-    mistral with its sliding window) and the general one (qwen3, gemma3)."""
+    one-token decoding bit for bit on the block kernels' fused path (mistral with its sliding
+    window, qwen3 with q/k norms, gemma3 with sandwich norms, GeGLU and two rope tables)."""
     _, model = block_model(arch)
     prompt, new = list(range(10, 19)), [40, 41, 42, 43, 44, 45, 46]
     plain = runner_for(model)
@@ -168,7 +168,7 @@ def test_block_verification_is_bitwise_plain_decoding(arch):
 def test_tree_verification_commits_paths_bitwise_plain_decoding(arch):
     """A tree verified token by token (batched with a chain), then one accepted path gathered
     with commit_path: every node's logits and the next forward's equal one-token decoding of
-    that path bit for bit (fused path: llama, mistral; general path: qwen3, gemma3)."""
+    that path bit for bit (on the fused path, every architecture)."""
     _, model = block_model(arch)
     prompt = list(range(10, 21))
     #        0            tokens 40..46
@@ -196,10 +196,11 @@ def test_tree_verification_commits_paths_bitwise_plain_decoding(arch):
     assert torch.equal(after, decoded([40, 43, 46, 47, 48])[-2:])
 
 
-def test_models_with_qk_norm_or_sandwich_norms_stay_on_the_general_path():
+def test_models_with_qk_norm_or_sandwich_norms_take_the_fused_path():
     for arch in ("qwen3", "gemma3"):
         _, model = block_model(arch)
-        assert not fused_eligible(model)
+        assert fused_eligible(model)
+        assert runner_for(model).fused is not None
 
 
 @pytest.mark.parametrize("kind", [BlockQ4Linear, BlockQ8Linear])

@@ -104,3 +104,18 @@ def test_native_speculative_greedy_equals_plain(smol_native, native_plain, algor
 def test_native_batched_equals_single(smol_native, native_plain):
     single = [smol_native.generate(p, SPEC_PARAMS, chat=True)[0].token_ids for p in SPEC_PROMPTS]
     assert single == native_plain  # native_plain ran the three prompts as one batch
+
+
+def test_gemma3_native_speculative_greedy_equals_plain_on_the_fused_path():
+    """Gemma 3 (q/k norms, sandwich norms, GeGLU, local and global rope tables, head dim 256) on
+    the native one-call decoder: chains verified by the fused path reproduce plain decoding."""
+    from tandem.config import EngineConfig, SpecConfig
+
+    plain = LLM("gemma3-270m")
+    spec = LLM.from_loaded(plain.loaded, EngineConfig(spec=SpecConfig(algorithm="ngram", num_draft_tokens=4)))
+    assert spec.engine.runner.fused is not None
+    prompts = [SPEC_PROMPTS[0], "def squares(numbers):\n    return [n * n for n in numbers]\n\n# squares([1, 2, 3]) =="]
+    want = [o.token_ids for o in plain.generate(prompts, SPEC_PARAMS)]
+    got = spec.generate(prompts, SPEC_PARAMS)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.spec.num_accepted_tokens for o in got) > 0

@@ -1,26 +1,28 @@
-"""The lean decode path: chains of Llama-family layers through tandem's block kernels, the whole
-decoder stack in one native call (kernels.BlockKernels.decoder). Each layer is, on flat
-[tokens, H] float32 rows (no padding, no framework ops in between):
+"""The lean decode path: the decoder stack on tandem's block kernels in one native call
+(kernels.BlockKernels.decoder). Each layer is, on flat [tokens, H] float32 rows (no padding, no
+framework ops in between):
 
     qkv  = rms_norm(x) @ Wqkv          (norm fused into the linear's input)
-    attn = attend(qkv)                 (RoPE, KV-cache write, attention per token)
-    x    = x + attn @ Wo               (residual fused into the output)
+    attn = attend(qkv)                 (q/k norms if any, RoPE, KV-cache write, attention per token)
+    x    = x + post(attn @ Wo)         (residual fused into the output; post: a sandwich norm)
     gu   = rms_norm(x) @ Wgate_up
-    x    = x + act(gu) @ Wdown         (SwiGLU or GeGLU fused into the input)
+    x    = x + post(act(gu) @ Wdown)   (SwiGLU or GeGLU fused into the input)
 
-Every token's numbers are computed in a fixed order that does not depend on how many tokens or
-sequences share the call, so verifying k drafted tokens reproduces k one-token decoding steps bit
-for bit. Used for every verification forward (chains and trees, whatever their length) and
-other chains of up to FUSED_MAX_TOKENS new tokens per sequence (longer ones and prefills take the
-general path) when every linear of the model runs on the block kernels and the architecture has
-no q/k norms or sandwich norms (Llama, SmolLM2, Mistral, Qwen2).
+Llama, SmolLM2, Mistral and Qwen2 have neither q/k norms nor sandwich norms; Qwen3 has q/k norms;
+Gemma 3 has both, GeGLU, and a local and a global rope table. Every token's numbers are computed
+in a fixed order that does not depend on how many tokens or sequences share the call, so
+verifying k drafted tokens reproduces k one-token decoding steps bit for bit. Used for every
+verification forward (chains and trees, whatever their length) and other chains of up to
+FUSED_MAX_TOKENS new tokens per sequence (longer ones and prefills take the general path) when
+every linear of the model runs on the block kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.model.kernels import GEGLU, SWIGLU, BlockKernels, DecoderShape, TreeKeys, block_kernels, decoder_layers
+from tandem.model.kernels import (GEGLU, SWIGLU, BlockKernels, DecoderShape, LayerParts, TreeKeys, block_kernels,
+                                  decoder_layers)
 from tandem.model.quant import BlockQ4Linear, BlockQ8Linear
 from tandem.model.transformer import TransformerLM
 
@@ -28,8 +30,7 @@ FUSED_MAX_TOKENS = 32
 
 
 def fused_eligible(model: TransformerLM) -> bool:
-    cfg = model.cfg
-    if cfg.qk_norm or cfg.sandwich_norms or len(cfg.rope_tables) != 1 or model.dtype != torch.float32:
+    if model.dtype != torch.float32:
         return False
     block = (BlockQ4Linear, BlockQ8Linear)
     return all(
@@ -45,13 +46,22 @@ class FusedDecoder:
         self.shape = DecoderShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                   cfg.attn_scale, SWIGLU if cfg.activation == "silu" else GEGLU)
         # The native layer records point into these: they live as long as the decoder.
-        self._parts = [
-            (layer.qkv.blocks(kernels), layer.o.blocks(kernels), layer.gate_up.blocks(kernels),
-             layer.down.blocks(kernels), layer.attn_norm.weight.detach().float().contiguous(),
-             layer.mlp_norm.weight.detach().float().contiguous(), layer.window)
-            for layer in model.layers
-        ]
+        self._parts = [self._layer_parts(layer) for layer in model.layers]
         self._layers = decoder_layers(self._parts)
+
+    def _layer_parts(self, layer) -> LayerParts:
+        k, model = self.kernels, self.model
+
+        def norm(name: str) -> torch.Tensor | None:
+            mod = getattr(layer, name, None)
+            return None if mod is None else mod.weight.detach().float().contiguous()
+
+        return LayerParts(
+            layer.qkv.blocks(k), layer.o.blocks(k), layer.gate_up.blocks(k), layer.down.blocks(k),
+            norm("attn_norm"), norm("mlp_norm"), layer.window,
+            model.cos_tables[layer.rope].float().contiguous(), model.sin_tables[layer.rope].float().contiguous(),
+            norm("q_norm"), norm("k_norm"), norm("post_attn_norm"), norm("post_mlp_norm"),
+        )
 
     @classmethod
     def for_model(cls, model: TransformerLM) -> "FusedDecoder | None":
@@ -70,6 +80,5 @@ class FusedDecoder:
         x = model.embed_tokens(tokens).float().contiguous()
         L = model.cfg.num_layers
         hidden = {li: torch.empty_like(x) for li in hidden_layers if li < L}
-        self.kernels.decoder(self._layers, x, seq, slot, tree, model.cos_tables[0], model.sin_tables[0],
-                             cache.k, cache.v, self.shape, hidden)
+        self.kernels.decoder(self._layers, x, seq, slot, tree, cache.k, cache.v, self.shape, hidden)
         return x, hidden

@@ -156,7 +156,7 @@ class _AttendArgs(ctypes.Structure):
         ("hi", ctypes.c_void_p), ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p),
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p),
         ("M", ctypes.c_int64), ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
-        ("threads", ctypes.c_int),
+        ("threads", ctypes.c_int), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
     ]
 
 
@@ -164,7 +164,9 @@ class _DecoderLayer(ctypes.Structure):
     _fields_ = [
         ("qkv", ctypes.POINTER(_Weights)), ("o", ctypes.POINTER(_Weights)), ("gate_up", ctypes.POINTER(_Weights)),
         ("down", ctypes.POINTER(_Weights)), ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
-        ("window", ctypes.c_int64),
+        ("window", ctypes.c_int64), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+        ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
     ]
 
 
@@ -175,8 +177,7 @@ class _DecoderArgs(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int),
         ("x", ctypes.c_void_p), ("T", ctypes.c_int64),
         ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hi", ctypes.c_void_p),
-        ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-        ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("M", ctypes.c_int64), ("layer_stride", ctypes.c_int64),
+        ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("M", ctypes.c_int64), ("layer_stride", ctypes.c_int64),
         ("capture", ctypes.POINTER(ctypes.c_void_p)), ("threads", ctypes.c_int),
     ]
 
@@ -295,12 +296,14 @@ class BlockKernels:
 
     def attend(self, qkv: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, window: int | None,
-               scale: float, tree: "TreeKeys | None" = None) -> torch.Tensor:
+               scale: float, tree: "TreeKeys | None" = None, q_norm: torch.Tensor | None = None,
+               k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
         """Per token t: RoPE(q, k) at position slot[t], k/v written to the cache row seq[t] at
         slot[t], attention over that row's slots [lo, slot[t]] -> [T, num_heads * D].
 
         tree: tree nodes instead (see TreeKeys): RoPE at tree.pos[t], attention over slots
-        [lo, tree.hi[t]) and then the node's own path of slots.
+        [lo, tree.hi[t]) and then the node's own path of slots. q_norm/k_norm [D]: an RMSNorm of
+        every q/k head before RoPE (Qwen3, Gemma 3).
         """
         T = qkv.shape[0]
         D = cos.shape[1]
@@ -309,14 +312,14 @@ class BlockKernels:
         args = _AttendArgs(
             _ptr(qkv), T, num_heads, num_kv_heads, D, _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
             _ptr(keys), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[2], window or 0, scale,
-            _ptr(out), torch.get_num_threads(),
+            _ptr(out), torch.get_num_threads(), _ptr(q_norm), _ptr(k_norm), eps,
         )
         self._attend(ctypes.byref(args))
         return out
 
     def decoder(self, layers: ctypes.Array, x: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor,
-                tree: "TreeKeys | None", cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, shape: "DecoderShape", capture: dict[int, torch.Tensor]) -> None:
+                tree: "TreeKeys | None", k_cache: torch.Tensor, v_cache: torch.Tensor, shape: "DecoderShape",
+                capture: dict[int, torch.Tensor]) -> None:
         """Run every decoder layer over x [T, H] in place (see block_matmul.cpp decoder_forward):
         layers is a ctypes array of _DecoderLayer (decoder_layers builds it once per model);
         k_cache/v_cache [L, S, Hkv, M, D]; capture {layer: [T, H] tensor} receives layer outputs."""
@@ -326,7 +329,7 @@ class BlockKernels:
         args = _DecoderArgs(
             layers, L, shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale,
             shape.activation, _ptr(x), x.shape[0], _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
-            _ptr(keys), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[3],
+            _ptr(keys), _ptr(k_cache), _ptr(v_cache), k_cache.shape[3],
             k_cache[0].numel(), slots, torch.get_num_threads(),
         )
         self._decoder(ctypes.byref(args))
@@ -343,14 +346,34 @@ class DecoderShape:
     activation: int  # SWIGLU or GEGLU
 
 
-def decoder_layers(layers: list[tuple[BlockWeights, BlockWeights, BlockWeights, BlockWeights,
-                                      torch.Tensor, torch.Tensor, int | None]]) -> ctypes.Array:
-    """The native records of a model's layers (qkv, o, gate_up, down, attn_norm, mlp_norm,
-    window), built once; the caller keeps the BlockWeights and norms alive."""
+@dataclass(frozen=True)
+class LayerParts:
+    """One decoder layer as the native loop reads it; optional norms are None where the
+    architecture has none. The tensors must stay alive as long as the records built from them."""
+
+    qkv: BlockWeights
+    o: BlockWeights
+    gate_up: BlockWeights
+    down: BlockWeights
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    window: int | None
+    cos: torch.Tensor  # [P, D] this layer's rope table, sin sign-folded
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+
+
+def decoder_layers(layers: list[LayerParts]) -> ctypes.Array:
+    """The native records of a model's layers, built once."""
     return (_DecoderLayer * len(layers))(*[
-        _DecoderLayer(ctypes.pointer(qkv.record), ctypes.pointer(o.record), ctypes.pointer(gu.record),
-                      ctypes.pointer(down.record), _ptr(attn_norm), _ptr(mlp_norm), window or 0)
-        for qkv, o, gu, down, attn_norm, mlp_norm, window in layers
+        _DecoderLayer(ctypes.pointer(p.qkv.record), ctypes.pointer(p.o.record), ctypes.pointer(p.gate_up.record),
+                      ctypes.pointer(p.down.record), _ptr(p.attn_norm), _ptr(p.mlp_norm), p.window or 0,
+                      _ptr(p.q_norm), _ptr(p.k_norm), _ptr(p.post_attn_norm), _ptr(p.post_mlp_norm),
+                      _ptr(p.cos), _ptr(p.sin))
+        for p in layers
     ])
 
 

@@ -230,6 +230,23 @@ enum InputTransform : int {
   kGeGLU = 3,      // gelu_tanh(x[:K]) * x[K:]
 };
 
+// x / sqrt(mean(x^2) + eps) * w over K (a multiple of 8) floats, the squares summed in double.
+inline void rms_norm_into(const float* src, int64_t K, const float* w, float eps, float* dst) {
+  __m256d ss0 = _mm256_setzero_pd(), ss1 = _mm256_setzero_pd();
+  for (int64_t j = 0; j < K; j += 8) {
+    const __m256 v = _mm256_loadu_ps(src + j);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    ss0 = _mm256_fmadd_pd(lo, lo, ss0);
+    ss1 = _mm256_fmadd_pd(hi, hi, ss1);
+  }
+  alignas(32) double part[4];
+  _mm256_store_pd(part, _mm256_add_pd(ss0, ss1));
+  const double ss = (part[0] + part[1]) + (part[2] + part[3]);
+  const __m256 r = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(ss / K) + eps));
+  for (int64_t j = 0; j < K; j += 8)
+    _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + j), r), _mm256_loadu_ps(w + j)));
+}
+
 // Rows of the transformed input [n, K], row by row in a fixed order (deterministic per row).
 // K is a multiple of 32 (the block size), so rows are whole 8-float vectors.
 void transform_rows(const float* x, int64_t n, int64_t K, int64_t x_stride, int transform, const float* w,
@@ -240,19 +257,7 @@ void transform_rows(const float* x, int64_t n, int64_t K, int64_t x_stride, int 
     const float* src = x + i * x_stride;
     float* dst = out.data() + i * K;
     if (transform == kRmsNorm) {
-      __m256d ss0 = _mm256_setzero_pd(), ss1 = _mm256_setzero_pd();
-      for (int64_t j = 0; j < K; j += 8) {
-        const __m256 v = _mm256_loadu_ps(src + j);
-        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-        ss0 = _mm256_fmadd_pd(lo, lo, ss0);
-        ss1 = _mm256_fmadd_pd(hi, hi, ss1);
-      }
-      alignas(32) double part[4];
-      _mm256_store_pd(part, _mm256_add_pd(ss0, ss1));
-      const double ss = (part[0] + part[1]) + (part[2] + part[3]);
-      const __m256 r = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(ss / K) + eps));
-      for (int64_t j = 0; j < K; j += 8)
-        _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + j), r), _mm256_loadu_ps(w + j)));
+      rms_norm_into(src, K, w, eps, dst);
     } else if (transform == kSwiGLU) {  // g / (1 + e^-g) * u
       for (int64_t j = 0; j < K; j += 8) {
         const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
@@ -542,6 +547,9 @@ struct AttendArgs {
   float scale;
   float* out;              // [T, Hq * D]
   int threads;
+  const float* q_norm;     // [D] RMSNorm of each q head before RoPE (Qwen3, Gemma 3), or null
+  const float* k_norm;     // [D] the same for k heads
+  float norm_eps;
 };
 
 void rope_into(const float* x, const float* c, const float* s, int64_t D, float* out) {
@@ -661,9 +669,15 @@ void attend(const AttendArgs& a) {
     const int64_t p = a.pos ? a.pos[t] : a.slot[t];
     const float* c = a.cos + p * D;
     const float* s = a.sin + p * D;
+    std::vector<float> normed(a.k_norm ? D : 0);
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t at = ((a.seq[t] * Hkv + h) * M + a.slot[t]) * D;
-      rope_into(row + (Hq + h) * D, c, s, D, a.kcache + at);
+      const float* k = row + (Hq + h) * D;
+      if (a.k_norm) {
+        rms_norm_into(k, D, a.k_norm, a.norm_eps, normed.data());
+        k = normed.data();
+      }
+      rope_into(k, c, s, D, a.kcache + at);
       std::copy(row + (Hq + Hkv + h) * D, row + (Hq + Hkv + h + 1) * D, a.vcache + at);
     }
   }
@@ -671,7 +685,7 @@ void attend(const AttendArgs& a) {
   const int64_t group = Hq / Hkv;
 #pragma omp parallel num_threads(a.threads)
   {
-    std::vector<float> q(D), scores;
+    std::vector<float> q(D), normed(D), scores;
 #pragma omp for schedule(static)
     for (int64_t th = 0; th < T * Hq; ++th) {
       const int64_t t = th / Hq, h = th % Hq, kvh = h / group;
@@ -680,13 +694,19 @@ void attend(const AttendArgs& a) {
       const int64_t lo = a.window > 0 && p + 1 > a.window ? p + 1 - a.window : 0;
       KeyList keys{lo, std::max<int64_t>(hi - lo, 0), a.key_off ? a.keys + a.key_off[t] : nullptr,
                    a.key_off ? a.key_off[t + 1] - a.key_off[t] : 0};
-      rope_into(a.qkv + t * width + h * D, a.cos + p * D, a.sin + p * D, D, q.data());
+      const float* qh = a.qkv + t * width + h * D;
+      if (a.q_norm) {
+        rms_norm_into(qh, D, a.q_norm, a.norm_eps, normed.data());
+        qh = normed.data();
+      }
+      rope_into(qh, a.cos + p * D, a.sin + p * D, D, q.data());
       const float* K = a.kcache + (a.seq[t] * Hkv + kvh) * M * D;
       const float* V = a.vcache + (a.seq[t] * Hkv + kvh) * M * D;
       float* o = a.out + t * Hq * D + h * D;
       scores.resize((keys.size() + 7) / 8 * 8);
       if (D == 64) attend_head<64 / kLanes>(q.data(), K, V, keys, a.scale, scores.data(), o);
       else if (D == 128) attend_head<128 / kLanes>(q.data(), K, V, keys, a.scale, scores.data(), o);
+      else if (D == 256) attend_head<256 / kLanes>(q.data(), K, V, keys, a.scale, scores.data(), o);
       else attend_head_any(q.data(), K, V, D, keys, a.scale, scores.data(), o);
     }
   }
@@ -699,9 +719,15 @@ struct DecoderLayer {
   const Weights* o;
   const Weights* gate_up;
   const Weights* down;
-  const float* attn_norm;  // [H]
-  const float* mlp_norm;   // [H]
-  int64_t window;          // 0 = full attention
+  const float* attn_norm;       // [H]
+  const float* mlp_norm;        // [H] (Gemma 3: the pre-feedforward norm)
+  int64_t window;               // 0 = full attention
+  const float* q_norm;          // [D] or null (Qwen3, Gemma 3)
+  const float* k_norm;          // [D] or null
+  const float* post_attn_norm;  // [H] or null: sandwich norms (Gemma 3) on the attention output
+  const float* post_mlp_norm;   // [H] or null: and on the MLP output
+  const float* cos;             // [P, D] this layer's rope table (Gemma 3 has a local and a global one)
+  const float* sin;
 };
 
 struct DecoderArgs {
@@ -718,8 +744,6 @@ struct DecoderArgs {
   const int64_t* hi;
   const int64_t* key_off;
   const int64_t* keys;
-  const float* cos;
-  const float* sin;
   float* kcache;           // [L, S, Hkv, M, D]
   float* vcache;
   int64_t M;
@@ -728,21 +752,43 @@ struct DecoderArgs {
   int threads;
 };
 
-// Each layer: x += o(attend(qkv(rms_norm(x)))); x += down(act(gate_up(rms_norm(x)))).
+// x[i] += rms_norm(y[i]) * w for each of n rows of width H (a sandwich norm before the residual).
+void add_normed(float* x, const float* y, int64_t n, int64_t H, const float* w, float eps) {
+  std::vector<float> normed(H);
+  for (int64_t i = 0; i < n; ++i) {
+    rms_norm_into(y + i * H, H, w, eps, normed.data());
+    for (int64_t j = 0; j < H; ++j) x[i * H + j] += normed[j];
+  }
+}
+
+// Each layer: x += post(o(attend(qkv(rms_norm(x))))); x += post(down(act(gate_up(rms_norm(x)))))
+// where post is the sandwich norm when the layer has one, else the identity.
 void decoder_forward(const DecoderArgs& a) {
   const int64_t T = a.T, H = a.H;
-  std::vector<float> qkv, attn(T * a.Hq * a.D), gate_up;
+  std::vector<float> qkv, attn(T * a.Hq * a.D), gate_up, out;
   for (int64_t l = 0; l < a.num_layers; ++l) {
     const DecoderLayer& layer = a.layers[l];
     qkv.resize(T * layer.qkv->N);
     gate_up.resize(T * layer.gate_up->N);
     linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, qkv.data(), a.threads, 0});
-    attend({qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, a.cos, a.sin,
+    attend({qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
             a.kcache + l * a.layer_stride, a.vcache + l * a.layer_stride, a.M, layer.window, a.scale, attn.data(),
-            a.threads});
-    linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, a.x, a.x, a.threads, 0});
+            a.threads, layer.q_norm, layer.k_norm, a.eps});
+    if (layer.post_attn_norm) {
+      out.resize(T * H);
+      linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, nullptr, out.data(), a.threads, 0});
+      add_normed(a.x, out.data(), T, H, layer.post_attn_norm, a.eps);
+    } else {
+      linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, a.x, a.x, a.threads, 0});
+    }
     linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, gate_up.data(), a.threads, 0});
-    linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, a.x, a.x, a.threads, 0});
+    if (layer.post_mlp_norm) {
+      out.resize(T * H);
+      linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, nullptr, out.data(), a.threads, 0});
+      add_normed(a.x, out.data(), T, H, layer.post_mlp_norm, a.eps);
+    } else {
+      linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, a.x, a.x, a.threads, 0});
+    }
     if (a.capture && a.capture[l]) std::copy(a.x, a.x + T * H, a.capture[l]);
   }
 }
