@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.model.kernels import cpu_name, kernel_description
+from tandem.model.kernels import block_kernels, cpu_name, kernel_description
 from tandem.model.loader import LoadedModel
 from tandem.paths import cache_root
 from tandem.scheduler.cost_model import CostCurve
@@ -41,12 +41,15 @@ def monotone(points: dict[int, float]) -> dict[int, float]:
 
 def profile_key(loaded: LoadedModel, device: str, threads: int) -> str:
     """Names one measured curve: the model, its weights and dtype, the kernels that run them
-    (a TANDEM_KERNELS override measures anew) and the machine (the CPU's model name)."""
+    (a TANDEM_KERNELS override or a new kernel build measures anew) and the machine (the CPU's
+    model name)."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(loaded.name).name)
     dtype = str(loaded.dtype).replace("torch.", "")
     kernels = kernel_description() if loaded.kernels == "block" else loaded.kernels
+    running = block_kernels() if loaded.kernels == "block" else None
+    build = running.build_key if running is not None else ""  # new kernel code measures anew
     machine = cpu_name() if device == "cpu" else device
-    digest = hashlib.sha1("|".join((loaded.name, kernels, machine)).encode()).hexdigest()[:8]
+    digest = hashlib.sha1("|".join((loaded.name, kernels, build, machine)).encode()).hexdigest()[:8]
     variant = re.sub(r"[^A-Za-z0-9_.-]+", "_", kernels)
     return f"{name}-{digest}-{loaded.quantization}-{dtype}-{variant}-{device}-t{threads}"
 

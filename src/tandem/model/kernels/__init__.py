@@ -233,8 +233,9 @@ class BlockKernels:
     """The compiled library of one variant. Inputs must be contiguous float32 CPU tensors;
     outputs are new float32 tensors unless `out` is given."""
 
-    def __init__(self, lib: ctypes.CDLL, variant: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, variant: str, build_key: str = "") -> None:
         self.variant = variant
+        self.build_key = build_key  # hash of the source and flags it was compiled from
         self.lanes = lib.tandem_lanes()
         self._q8_bias = lib.tandem_q8_bias()
         self._linear = lib.tandem_linear
@@ -422,7 +423,7 @@ def load_variant(name: str) -> BlockKernels:
         log.info("compiling tandem's %s CPU block kernels into %s", name, lib_path)
         _build(lib_path, flags)
     # torch is imported first, so its libgomp already serves the kernels' OpenMP pool.
-    return BlockKernels(ctypes.CDLL(str(lib_path)), name)
+    return BlockKernels(ctypes.CDLL(str(lib_path)), name, key)
 
 
 @functools.cache
