@@ -7,8 +7,6 @@ activations, the dtype their CPU kernels are fast in, and return bf16.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import warnings
 
@@ -280,45 +278,19 @@ class DenseLinear(nn.Module):
 BLOCK = 32
 
 
-# Which rows of the block linears' inputs are prompt tokens (a bool mask over the flattened rows),
-# set by the runner around its decoder layers: those rows may take the kernels' prefill path. The
-# mask only applies to inputs with exactly that many rows.
-_PREFILL_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("prefill_rows", default=None)
-
-
-@contextlib.contextmanager
-def prefill_rows(mask: torch.Tensor):
-    """Within the block, block linears run the rows where `mask` is True through the prefill kernel."""
-    token = _PREFILL_ROWS.set(mask)
-    try:
-        yield
-    finally:
-        _PREFILL_ROWS.reset(token)
-
-
-def _block_matmul(kernels, x2: torch.Tensor, matmul) -> torch.Tensor:
-    mask = _PREFILL_ROWS.get()
-    if mask is None or mask.shape[0] != x2.shape[0] or not bool(mask.any()):
-        return matmul(kernels, x2, False)
-    if bool(mask.all()):
-        return matmul(kernels, x2, True)
-    dense, other = matmul(kernels, x2[mask].contiguous(), True), matmul(kernels, x2[~mask].contiguous(), False)
-    y = dense.new_empty(x2.shape[0], dense.shape[1])
-    y[mask], y[~mask] = dense, other
-    return y
-
-
 def _packed(layer: nn.Module, kernels: BlockKernels, m: torch.Tensor | None) -> BlockWeights:
     # Kept beside the module, not as buffers: the packed layout belongs to one kernel variant
     # and is rebuilt from qs/d/m (the state) wherever the module goes.
+    # Repacked when the kernels or the weights change (a new tensor, or one written in place).
+    source = (kernels, layer.qs.data_ptr(), layer.qs._version, layer.d._version)
     cached = layer.__dict__.get("_blocks")
-    if cached is None or cached[0] is not kernels or cached[1].qs.data_ptr() != layer.qs.data_ptr():
-        cached = (kernels, kernels.pack(layer.qs, layer.d, m, layer.bias))
+    if cached is None or cached[0] != source:
+        cached = (source, kernels.pack(layer.qs, layer.d, m, layer.bias))
         layer.__dict__["_blocks"] = cached
     return cached[1]
 
 
-def _block_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
+def _block_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """[..., in] -> [..., out] float32 through tandem's block kernel (CPU) or, elsewhere or
     without the compiled kernel, the dequantised weight with F.linear."""
     lead = x.shape[:-1]
@@ -327,7 +299,7 @@ def _block_forward(layer: nn.Module, x: torch.Tensor, matmul) -> torch.Tensor:
     x2 = x.reshape(-1, layer.in_features).float().contiguous()
     kernels = block_kernels() if x2.device.type == "cpu" else None
     if kernels is not None:
-        y = _block_matmul(kernels, x2, matmul)  # the packed weights carry the bias
+        y = kernels.linear(x2, layer.blocks(kernels))  # the packed weights carry the bias
     else:
         if x2.device.type != "cpu":
             _warn_fallback_once(type(layer).__name__, x2.device)
@@ -390,7 +362,7 @@ class BlockQ4Linear(nn.Module):
         return (q * self.d[..., None] + self.m[..., None]).reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_forward(self, x, lambda k, x2, prefill: k.linear(x2, self.blocks(k), prefill=prefill))
+        return _block_forward(self, x)
 
     def blocks(self, kernels: BlockKernels) -> BlockWeights:
         """The weights as `kernels` reads them, packed on first use (bias included)."""
@@ -435,7 +407,7 @@ class BlockQ8Linear(nn.Module):
         return (q * self.d[..., None]).reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_forward(self, x, lambda k, x2, prefill: k.linear(x2, self.blocks(k), prefill=prefill))
+        return _block_forward(self, x)
 
     def blocks(self, kernels: BlockKernels) -> BlockWeights:
         """The weights as `kernels` reads them, packed on first use (bias included)."""

@@ -6,7 +6,6 @@ new tokens need logits and which layers' hidden states it wants; nothing is impl
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +13,6 @@ import torch
 from tandem.model.fused import FUSED_MAX_TOKENS, FusedDecoder
 from tandem.model.kernels import TreeKeys
 from tandem.model.kv_cache import KVCache
-from tandem.model.quant import prefill_rows
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
 from tandem.verify.paths import tree_paths
 
@@ -28,9 +26,9 @@ class SeqInput:
     before children. positions default to consecutive positions after the committed prefix
     (trees: prefix_len + depth, so siblings share a position). logits: which new-token
     indices need logits ("last", "all", or a list). prefill: the tokens are a prompt's, which
-    every run computes the same way, so they may take the block kernels' prefill path (fp32
-    over dequantized weights: fast for many rows, other numbers than decoding's). Decoded and
-    verified tokens never set it: their numbers must match each other's bit for bit.
+    every run computes the same way, so they take the general path (one batched attention call
+    per sequence) rather than the fused per-token one, whatever their count. Decoded and
+    verified tokens never set it: their numbers must match each other bit for bit.
     """
 
     seq: int
@@ -126,14 +124,10 @@ class ModelRunner:
         x = model.embed_tokens(tokens)
         L = model.cfg.num_layers
         hidden: dict[int, list[torch.Tensor]] = {}
-        # Prompt rows (whole rows of the padded [B, T] layout) take the prefill kernels in the
-        # decoder layers; the LM head keeps the decode kernels.
-        prefill = torch.tensor([i.prefill for i in inputs]).repeat_interleave(T) if any(i.prefill for i in inputs) else None
-        with prefill_rows(prefill) if prefill is not None else contextlib.nullcontext():
-            for li, layer in enumerate(model.layers):
-                x = layer(x, plan, cache.layers[li])
-                if li in hidden_layers:
-                    hidden[li] = [x[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
+        for li, layer in enumerate(model.layers):
+            x = layer(x, plan, cache.layers[li])
+            if li in hidden_layers:
+                hidden[li] = [x[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
         rows, offsets = [], [0]
         for b, inp in enumerate(inputs):
             idx = inp.logit_indices()

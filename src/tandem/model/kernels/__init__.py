@@ -135,8 +135,7 @@ IDENTITY, RMS_NORM, SWIGLU, GEGLU = 0, 1, 2, 3  # input transforms fused into a 
 
 class _Weights(ctypes.Structure):
     _fields_ = [
-        ("packed", ctypes.c_void_p), ("pd", ctypes.c_void_p), ("pm", ctypes.c_void_p),
-        ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("packed", ctypes.c_void_p), ("pd", ctypes.c_void_p), ("pm", ctypes.c_void_p), ("bias", ctypes.c_void_p),
         ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("q4", ctypes.c_int),
     ]
 
@@ -145,7 +144,7 @@ class _LinearCall(ctypes.Structure):
     _fields_ = [
         ("w", ctypes.POINTER(_Weights)), ("x", ctypes.c_void_p), ("n", ctypes.c_int64), ("x_stride", ctypes.c_int64),
         ("transform", ctypes.c_int), ("norm_w", ctypes.c_void_p), ("eps", ctypes.c_float),
-        ("residual", ctypes.c_void_p), ("y", ctypes.c_void_p), ("threads", ctypes.c_int), ("prefill", ctypes.c_int),
+        ("residual", ctypes.c_void_p), ("y", ctypes.c_void_p), ("threads", ctypes.c_int),
     ]
 
 
@@ -187,10 +186,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class BlockWeights:
-    """One linear layer's weights as the kernels read them: the GGUF block layout (for the
-    prefill path) and the same blocks repacked into groups of `lanes` output rows (for the
-    small-batch GEMM; see block_matmul.cpp). Built once per layer by BlockKernels.pack; holds
-    the tensors its native record points into."""
+    """One linear layer's weights as the kernels read them: the GGUF blocks repacked into groups
+    of `lanes` output rows (see block_matmul.cpp). Built once per layer by BlockKernels.pack;
+    holds the tensors its native record points into."""
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None,
                  lanes: int, q8_bias: int) -> None:
@@ -216,12 +214,10 @@ class BlockWeights:
         self.packed = packed.contiguous()
         self.pd = grouped(d)
         self.pm = grouped(m) if m is not None else None
-        self.qs, self.d = qs.contiguous(), d.float().contiguous()
-        self.m = m.float().contiguous() if m is not None else None
         self.bias = bias.float().contiguous() if bias is not None else None
         self.in_features, self.out_features = K, N
-        self.record = _Weights(_ptr(self.packed), _ptr(self.pd), _ptr(self.pm), _ptr(self.qs), _ptr(self.d),
-                               _ptr(self.m), _ptr(self.bias), N, K, int(m is not None))
+        self.record = _Weights(_ptr(self.packed), _ptr(self.pd), _ptr(self.pm), _ptr(self.bias), N, K,
+                               int(m is not None))
 
     @property
     def nbytes(self) -> int:
@@ -277,13 +273,11 @@ class BlockKernels:
 
     def linear(self, x: torch.Tensor, w: BlockWeights, *, transform: int = IDENTITY,
                norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, prefill: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """transform(x [n, *]) @ W^T (+ bias) (+ residual) -> [n, N].
 
         transform RMS_NORM needs norm_weight [K]; SWIGLU/GEGLU read rows of width 2K (gate | up).
-        out may be the residual tensor itself (an in-place residual add). prefill: the fp32 path
-        for many rows (weights dequantized per chunk, no activation rounding; other numbers than
-        the integer path's, equally row-independent): for prompt tokens only.
+        out may be the residual tensor itself (an in-place residual add).
         """
         n, width = x.shape
         expected = 2 * w.in_features if transform in (SWIGLU, GEGLU) else w.in_features
@@ -291,7 +285,7 @@ class BlockKernels:
             raise ValueError(f"input rows have width {width}, the layer needs {expected}")
         y = torch.empty(n, w.out_features, dtype=torch.float32) if out is None else out
         call = _LinearCall(ctypes.pointer(w.record), _ptr(x), n, width, transform, _ptr(norm_weight), eps,
-                           _ptr(residual), _ptr(y), torch.get_num_threads(), int(prefill))
+                           _ptr(residual), _ptr(y), torch.get_num_threads())
         self._linear(ctypes.byref(call))
         return y
 

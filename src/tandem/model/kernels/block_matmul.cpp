@@ -168,9 +168,6 @@ struct Weights {          // one linear layer, as BlockKernels.pack lays it out 
   const uint8_t* packed;  // grouped blocks
   const float* pd;        // [groups][blocks][LANES]
   const float* pm;        // [groups][blocks][LANES] (q4), else null
-  const uint8_t* qs;      // GGUF layout [N, K/2] (q4) or [N, K] (q8): the prefill path reads it
-  const float* d;         // [N, K/32]
-  const float* m;         // [N, K/32] (q4), else null
   const float* bias;      // [N] or null
   int64_t N, K;
   int q4;
@@ -288,7 +285,6 @@ struct LinearCall {
   const float* residual;  // [n, N] added to the output, or null (may alias y)
   float* y;               // [n, N]
   int threads;
-  int prefill;            // 1: the fp32 prompt path (dense_matmul)
 };
 
 // ---- the small-batch GEMM -------------------------------------------------------------------
@@ -410,99 +406,6 @@ void packed_matmul(const LinearCall& c, const QuantizedRows& xq) {
   }
 }
 
-// ---- prefill: fp32 weights dequantized per chunk, fp32 activations ----------------------------
-//
-// Prompt rows come many at a time; for them the integer path above spends more instructions per
-// multiply than plain fp32 FMAs over weights dequantized once per chunk and reused by every row.
-// Each output element is one 8-lane FMA chain over k in order, then hsum: the same arithmetic for
-// every tile shape, so row i still does not depend on the other rows (nor on the thread count).
-// The numbers differ from the integer path's (no activation rounding): callers use this for
-// prompt tokens only, which every run computes the same way.
-
-constexpr int64_t kDenseChunk = 64;  // weight rows dequantized at a time (64 x K fp32 fits L2)
-
-void dequantize_rows(const Weights& w, int64_t r0, int64_t rows, float* out) {
-  const int64_t K = w.K, nb = K / kBlock;
-  for (int64_t r = r0; r < r0 + rows; ++r) {
-    float* dst = out + (r - r0) * K;
-    for (int64_t b = 0; b < nb; ++b) {
-      const float d = w.d[r * nb + b];
-      if (w.q4) {
-        const float m = w.m[r * nb + b];
-        const uint8_t* q = w.qs + r * (K / 2) + b * (kBlock / 2);
-        for (int j = 0; j < kBlock / 2; ++j) {
-          dst[b * kBlock + j] = d * static_cast<float>(q[j] & 0x0F) + m;
-          dst[b * kBlock + j + kBlock / 2] = d * static_cast<float>(q[j] >> 4) + m;
-        }
-      } else {
-        const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + r * K + b * kBlock;
-        for (int j = 0; j < kBlock; ++j) dst[b * kBlock + j] = d * static_cast<float>(q[j]);
-      }
-    }
-  }
-}
-
-// WR weight rows x IR activation rows, accumulators in registers.
-template <int WR, int IR>
-inline void dense_tile(const float* w, const float* x, int64_t K, float* sums) {
-  __m256 acc[WR][IR];
-  for (int j = 0; j < WR; ++j)
-    for (int i = 0; i < IR; ++i) acc[j][i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 xv[IR];
-    for (int i = 0; i < IR; ++i) xv[i] = _mm256_loadu_ps(x + i * K + k);
-    for (int j = 0; j < WR; ++j) {
-      const __m256 wv = _mm256_loadu_ps(w + j * K + k);
-      for (int i = 0; i < IR; ++i) acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
-    }
-  }
-  for (int j = 0; j < WR; ++j)
-    for (int i = 0; i < IR; ++i) sums[j * IR + i] = hsum8(acc[j][i]);
-}
-
-template <int WR>
-inline void dense_rows(const float* w, const float* x, int64_t K, int64_t ir, float* sums) {
-  switch (ir) {
-    case 1: dense_tile<WR, 1>(w, x, K, sums); break;
-    case 2: dense_tile<WR, 2>(w, x, K, sums); break;
-    case 3: dense_tile<WR, 3>(w, x, K, sums); break;
-    default: dense_tile<WR, 4>(w, x, K, sums); break;
-  }
-}
-
-void dense_matmul(const LinearCall& c, const float* X) {
-  const Weights& w = *c.w;
-  const int64_t n = c.n, K = w.K, N = w.N;
-  const int64_t chunks = (N + kDenseChunk - 1) / kDenseChunk;
-#pragma omp parallel num_threads(c.threads)
-  {
-    std::vector<float> wbuf(kDenseChunk * K);
-    float sums[2 * 4];
-#pragma omp for schedule(static)
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      const int64_t r0 = ch * kDenseChunk, wrows = std::min(kDenseChunk, N - r0);
-      dequantize_rows(w, r0, wrows, wbuf.data());
-      for (int64_t i0 = 0; i0 < n; i0 += 4) {
-        const int64_t ir = std::min<int64_t>(4, n - i0);
-        for (int64_t j0 = 0; j0 < wrows; j0 += 2) {
-          const int64_t wr = std::min<int64_t>(2, wrows - j0);
-          if (wr == 2) dense_rows<2>(wbuf.data() + j0 * K, X + i0 * K, K, ir, sums);
-          else dense_rows<1>(wbuf.data() + j0 * K, X + i0 * K, K, ir, sums);
-          for (int64_t j = 0; j < wr; ++j) {
-            const int64_t r = r0 + j0 + j;
-            for (int64_t i = 0; i < ir; ++i) {
-              float v = sums[j * ir + i];
-              if (w.bias) v += w.bias[r];
-              if (c.residual) v += c.residual[(i0 + i) * N + r];
-              c.y[(i0 + i) * N + r] = v;
-            }
-          }
-        }
-      }
-    }
-  }
-}
-
 void linear(const LinearCall& c) {
   const int64_t K = c.w->K;
   std::vector<float> rows;
@@ -510,10 +413,6 @@ void linear(const LinearCall& c) {
   if (c.transform != kIdentity || c.x_stride != K) {
     transform_rows(c.x, c.n, K, c.x_stride, c.transform, c.norm_w, c.eps, rows);
     X = rows.data();
-  }
-  if (c.prefill) {
-    dense_matmul(c, X);
-    return;
   }
   QuantizedRows xq;
   quantize_rows(X, c.n, K, xq);
@@ -770,24 +669,24 @@ void decoder_forward(const DecoderArgs& a) {
     const DecoderLayer& layer = a.layers[l];
     qkv.resize(T * layer.qkv->N);
     gate_up.resize(T * layer.gate_up->N);
-    linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, qkv.data(), a.threads, 0});
+    linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, qkv.data(), a.threads});
     attend({qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
             a.kcache + l * a.layer_stride, a.vcache + l * a.layer_stride, a.M, layer.window, a.scale, attn.data(),
             a.threads, layer.q_norm, layer.k_norm, a.eps});
     if (layer.post_attn_norm) {
       out.resize(T * H);
-      linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, nullptr, out.data(), a.threads, 0});
+      linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, nullptr, out.data(), a.threads});
       add_normed(a.x, out.data(), T, H, layer.post_attn_norm, a.eps);
     } else {
-      linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, a.x, a.x, a.threads, 0});
+      linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, a.x, a.x, a.threads});
     }
-    linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, gate_up.data(), a.threads, 0});
+    linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, gate_up.data(), a.threads});
     if (layer.post_mlp_norm) {
       out.resize(T * H);
-      linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, nullptr, out.data(), a.threads, 0});
+      linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, nullptr, out.data(), a.threads});
       add_normed(a.x, out.data(), T, H, layer.post_mlp_norm, a.eps);
     } else {
-      linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, a.x, a.x, a.threads, 0});
+      linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, a.x, a.x, a.threads});
     }
     if (a.capture && a.capture[l]) std::copy(a.x, a.x + T * H, a.capture[l]);
   }
