@@ -152,19 +152,40 @@ def _transformers_cost_curve(model, repeats: int = 5) -> dict[int, float]:
     return {n: _median_time(lambda: fwd(n), repeats) for n in CURVE_SIZES}
 
 
-def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int | None) -> BaseResult | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    import os
+def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int | None,
+                 cpu_time: bool = False) -> tuple[BaseResult | None, str]:
+    """llama.cpp (llama-cpp-python) on the same GGUF, same prompts and token count, in a child
+    process: a build that dies on this CPU (an illegal instruction) costs its line, not the run.
+    Returns the result, or None and why there is none."""
+    import importlib.util
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     from tandem.model.loader import resolve_model
 
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, "llama-cpp-python is not installed"
     src = resolve_model(model_name)
     if src.gguf_path is None:
-        return None
-    llm = Llama(model_path=str(src.gguf_path), n_ctx=2048, n_threads=threads or os.cpu_count(), verbose=False)
+        return None, f"{model_name} has no GGUF file"
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        job = pool.submit(_llamacpp_tokens_per_second, str(src.gguf_path), prompts, max_new, threads, cpu_time)
+        try:
+            return BaseResult("llama.cpp (same GGUF)", job.result()), ""
+        except BrokenProcessPool:
+            return None, ("llama.cpp crashed in its process (a build using instructions this machine does not "
+                          "run, such as AMX under a hypervisor?)")
+
+
+def _llamacpp_tokens_per_second(gguf_path: str, prompts: list[str], max_new: int, threads: int | None,
+                                cpu_time: bool) -> float:
+    import os
+
+    from llama_cpp import Llama
+
+    use_cpu_clock(cpu_time)
+    llm = Llama(model_path=gguf_path, n_ctx=2048, n_threads=threads or os.cpu_count(), verbose=False)
     eos = llm.token_eos()
 
     def no_eos(_ids, logits):
@@ -178,7 +199,7 @@ def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int
                                          logits_processor=[no_eos])
         seconds += _clock() - t
         tokens += out["usage"]["completion_tokens"]
-    return BaseResult("llama.cpp (same GGUF)", tokens / seconds)
+    return tokens / seconds
 
 
 def bench_base(args) -> dict:
@@ -203,12 +224,14 @@ def bench_base(args) -> dict:
         dtype, quant = config.split("/") if "/" in config else ("auto", config)
         results.append(run_tandem(args.model, dtype, quant, prompts, args.max_new_tokens, args.threads))
         gc.collect()
-    lcpp = run_llamacpp(args.model, prompts, args.max_new_tokens, args.threads)
+    lcpp, why = run_llamacpp(args.model, prompts, args.max_new_tokens, args.threads, args.cpu_time)
     if lcpp:
         results.append(lcpp)
     elif args.require_llamacpp:
-        raise RuntimeError("--require-llamacpp: llama-cpp-python is not installed (or the model has no GGUF); "
-                           "install it built for this CPU: CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python")
+        raise RuntimeError(f"--require-llamacpp: {why}; install it built for this CPU: "
+                           "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python")
+    elif why != "llama-cpp-python is not installed":
+        print(f"no llama.cpp line: {why}")
     reference = next((r for r in results if r.name == "tandem none/float32"), None)
     for r in results:
         if r.weight_bytes:
