@@ -85,11 +85,12 @@ def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_
 
     llm = LLM(model_name, dtype=dtype, quantization=quant, threads=threads, max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
-    llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), chat=True)
+    chat = llm.tokenizer.chat_template is not None  # a base model (Gemma 3 270M) takes the plain text
+    llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), chat=chat)
     tokens, seconds, token_ids = 0, 0.0, []
     for p in prompts:
         t = _clock()
-        out = llm.generate(p, params, chat=True)[0]
+        out = llm.generate(p, params, chat=chat)[0]
         seconds += _clock() - t
         tokens += len(out.token_ids)
         token_ids.append(out.token_ids)
@@ -195,8 +196,11 @@ def _llamacpp_tokens_per_second(gguf_path: str, prompts: list[str], max_new: int
     tokens, seconds = 0, 0.0
     for p in prompts:
         t = _clock()
-        out = llm.create_chat_completion([{"role": "user", "content": p}], max_tokens=max_new, temperature=0.0,
-                                         logits_processor=[no_eos])
+        if llm.metadata.get("tokenizer.chat_template"):
+            out = llm.create_chat_completion([{"role": "user", "content": p}], max_tokens=max_new, temperature=0.0,
+                                             logits_processor=[no_eos])
+        else:  # a base model: the plain text, as tandem runs it
+            out = llm.create_completion(p, max_tokens=max_new, temperature=0.0, logits_processor=[no_eos])
         seconds += _clock() - t
         tokens += out["usage"]["completion_tokens"]
     return tokens / seconds
