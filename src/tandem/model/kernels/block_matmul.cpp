@@ -187,6 +187,8 @@ void quantize_rows(const float* x, int64_t n, int64_t K, QuantizedRows& out) {
   out.scaled_sum.resize(n * nb);
   out.sum.resize(n * nb);
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  // Rows are independent: many of them (a prompt) are split over the threads.
+#pragma omp parallel for schedule(static) if (n >= 16)
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* src = x + i * K + b * kBlock;
@@ -250,6 +252,7 @@ void transform_rows(const float* x, int64_t n, int64_t K, int64_t x_stride, int 
                     float eps, std::vector<float>& out) {
   out.resize(n * K);
   const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
+#pragma omp parallel for schedule(static) if (n >= 16)
   for (int64_t i = 0; i < n; ++i) {
     const float* src = x + i * x_stride;
     float* dst = out.data() + i * K;
@@ -395,6 +398,13 @@ void packed_matmul(const LinearCall& c, const QuantizedRows& xq) {
       for (int64_t i = 0; i < rows; ++i) {
         float* y = c.y + (i0 + i) * N + r0;
         const float* res = c.residual ? c.residual + (i0 + i) * N + r0 : nullptr;
+        if (lanes == kLanes) {  // the same additions, a vector at a time
+          vf v = vloadf(sums + i * kLanes);
+          if (w.bias) v = vadd(v, vloadf(w.bias + r0));
+          if (res) v = vadd(v, vloadf(res));
+          vstoref(y, v);
+          continue;
+        }
         for (int64_t l = 0; l < lanes; ++l) {
           float v = sums[i * kLanes + l];
           if (w.bias) v += w.bias[r0 + l];
