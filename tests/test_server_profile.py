@@ -7,12 +7,16 @@ import json
 
 import pytest
 
-import tandem.bench.base as bench_base
+import tandem.server.profile as profile_module
 from conftest import tiny_loaded
-from tandem.server.profile import PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for, load_profile, monotone
+from tandem.scheduler.cost_model import CostCurve
+from tandem.server.profile import PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for, load_profile
 
 
 def test_monotone_takes_the_running_minimum_from_the_right():
+    def monotone(points):
+        return CostCurve.from_points(points).monotone().as_points()
+
     assert monotone({1: 4.7, 2: 0.34, 4: 0.46}) == {1: 0.34, 2: 0.34, 4: 0.46}
     assert monotone({1: 1.0, 2: 2.0, 8: 3.0}) == {1: 1.0, 2: 2.0, 8: 3.0}
 
@@ -27,7 +31,7 @@ def test_measures_once_then_loads(tmp_path, monkeypatch):
         calls.append(sizes)
         return {n: 0.010 * (1 + n / 8) * (3.0 if r == 1 or (r == 0 and n == 2) else 1.0) for n in sizes}
 
-    monkeypatch.setattr(bench_base, "tandem_cost_curve", fake_curve)
+    monkeypatch.setattr(profile_module, "forward_cost_curve", fake_curve)
     path = tmp_path / "profile.json"
     curve = cost_curve_for(loaded, "cpu", 1, str(path))
     assert len(calls) == PROFILE_ROUNDS and calls[0] == PROFILE_SIZES

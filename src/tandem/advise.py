@@ -56,16 +56,6 @@ class DrafterAdvice:
     warnings: list[Advice] = field(default_factory=list)
 
 
-def monotone(curve: CostCurve) -> CostCurve:
-    """The running maximum of a measured curve: a forward over more tokens never costs less than
-    one over fewer, so a dip is timing noise and would make long drafts look free."""
-    seconds, top = [], 0.0
-    for s in curve.seconds:
-        top = max(top, s)
-        seconds.append(top)
-    return CostCurve(curve.sizes, tuple(seconds))
-
-
 def draft_cost_model(seconds_per_position: float, lengths: list[int] | None = None, curve: CostCurve | None = None):
     """A cost_model DraftCost: drafting time (linear in k and the batch, measured per requested
     position), plus the correction for drafts shorter than k. cost_model prices every round at a
@@ -177,8 +167,8 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
                max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
                curve_sizes=ADVISE_CURVE_SIZES, progress: bool = True) -> dict:
     """Measure and predict; returns the advisor's report (what `--json` writes)."""
-    from tandem.bench.base import tandem_cost_curve
     from tandem.bench.kernel_report import measure_bandwidth, model_weight_bytes
+    from tandem.model.cost import forward_cost_curve
     from tandem.bench.spec import OVERALL, run_spec_bench
 
     if not methods:
@@ -187,7 +177,7 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
         raise ValueError(f"--k-max must be >= 1, got {k_max}")
     bandwidth = measure_bandwidth()
     weight_bytes = model_weight_bytes(loaded.model)
-    curve = monotone(CostCurve.from_points(tandem_cost_curve(loaded, sizes=curve_sizes)))
+    curve = CostCurve.from_points(forward_cost_curve(loaded, sizes=curve_sizes)).monotone()
     common = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, progress=progress)
 
     def measure(ms: list[Method]) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,10 +21,8 @@ from tandem.bench.kernel_report import kernel_report, measure_bandwidth, model_w
 from tandem.bench.prompts import spec_bench_prompts
 from tandem.config import SamplingParams
 from tandem.model.kernels import kernel_description
-from tandem.model.kv_cache import KVCache
-from tandem.model.runner import ModelRunner, SeqInput
+from tandem.model.cost import CONTEXT_FOR_CURVE, CURVE_SIZES, fastest_of, forward_cost_curve
 
-CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 # The clock every timing in a run uses: wall time, or with --cpu-time the CPU time of the calling
 # thread with every engine on one thread (on a shared host wall time mostly measures the
@@ -37,7 +34,6 @@ _clock = time.perf_counter
 def use_cpu_clock(enabled: bool) -> None:
     global _clock
     _clock = time.thread_time if enabled else time.perf_counter
-CONTEXT_FOR_CURVE = 200
 
 
 @dataclass
@@ -55,31 +51,6 @@ class BaseResult:
     agreement_identical: int | None = None
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = _clock()
-        fn()
-        times.append(_clock() - t)
-    return statistics.median(times)
-
-
-def tandem_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES) -> dict[int, float]:
-    """Seconds of a verification forward over n new tokens (logits for all n, token-by-token
-    attention as the engine verifies) after a CONTEXT_FOR_CURVE-token prefix."""
-    cache = KVCache(loaded.config, 1, CONTEXT_FOR_CURVE + max(sizes) + 1, loaded.dtype)
-    runner = ModelRunner(loaded.model, cache)
-    seq = cache.allocate()
-    runner.forward([SeqInput(seq, [100 + i % 1000 for i in range(CONTEXT_FOR_CURVE)])])
-
-    def fwd(n):
-        runner.forward([SeqInput(seq, [200 + i for i in range(n)], logits="all")], token_by_token=True)
-        cache.truncate(seq, CONTEXT_FOR_CURVE)
-
-    return {n: _median_time(lambda: fwd(n), repeats) for n in sizes}
-
-
 def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_new: int, threads: int | None):
     from tandem.llm import LLM
 
@@ -94,7 +65,7 @@ def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_
         seconds += _clock() - t
         tokens += len(out.token_ids)
         token_ids.append(out.token_ids)
-    curve = tandem_cost_curve(llm.loaded)
+    curve = forward_cost_curve(llm.loaded, clock=_clock)
     loaded = llm.loaded
     label = f"tandem {loaded.quantization}/{str(loaded.dtype).replace('torch.', '')}"
     if loaded.quantization != "none":
@@ -150,7 +121,7 @@ def _transformers_cost_curve(model, repeats: int = 5) -> dict[int, float]:
         model(ids, past_key_values=cache, use_cache=True)
         cache.crop(-n)  # transformers 5: a negative count drops that many trailing tokens
 
-    return {n: _median_time(lambda: fwd(n), repeats) for n in CURVE_SIZES}
+    return fastest_of(fwd, CURVE_SIZES, repeats, _clock)
 
 
 def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int | None,

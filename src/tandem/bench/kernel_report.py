@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem.model.cost import fastest_of, forward_cost_curve
 from tandem.model.kernels import block_kernels, cpu_flags, cpu_name, kernel_description
-from tandem.model.kv_cache import KVCache
-from tandem.model.runner import ModelRunner, SeqInput
 
 CURVE = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 STEP_CONTEXT = 300
@@ -93,36 +92,6 @@ def linear_macs(model) -> int:
     return macs + model.lm_head.in_features * model.lm_head.out_features
 
 
-def step_curve(loaded, context: int = STEP_CONTEXT, repeats: int = 20, sizes=CURVE) -> dict[int, float]:
-    """Best seconds of a verification forward over n new tokens (logits for all, token-by-token
-    attention as the engine verifies) after a `context`-token prefix, one sequence."""
-    cache = KVCache(loaded.config, 1, context + max(sizes) + 1, loaded.dtype)
-    runner = ModelRunner(loaded.model, cache)
-    seq = cache.allocate()
-    vocab = loaded.config.vocab_size
-    runner.forward([SeqInput(seq, [(100 + i % 1000) % vocab for i in range(context)], prefill=True)])
-
-    def fwd(n):
-        runner.forward([SeqInput(seq, [(200 + i) % vocab for i in range(n)], logits="all")], token_by_token=True)
-        cache.truncate(seq, context)
-
-    return interleaved_best(fwd, sizes, repeats)
-
-
-def interleaved_best(fn, sizes, repeats: int) -> dict[int, float]:
-    """Best seconds of fn(n) per size, the sizes measured in turn within each repeat: a slow
-    spell of a shared machine then hits every size alike instead of one."""
-    for n in sizes:
-        fn(n)
-    best = {n: float("inf") for n in sizes}
-    for _ in range(repeats):
-        for n in sizes:
-            t = time.perf_counter()
-            fn(n)
-            best[n] = min(best[n], time.perf_counter() - t)
-    return best
-
-
 def bf16_dense_curve(model, repeats: int = 5, sizes=CURVE) -> dict[int, float]:
     """torch's bf16 F.linear (oneDNN) over the same linears and LM head, back to back: what
     this CPU does for small batches when a kernel reuses each weight across rows."""
@@ -136,7 +105,7 @@ def bf16_dense_curve(model, repeats: int = 5, sizes=CURVE) -> dict[int, float]:
             F.linear(x, w)
 
     with torch.inference_mode():
-        return interleaved_best(run, sizes, repeats)
+        return fastest_of(run, sizes, repeats)
 
 
 def kernel_report(loaded, gguf_path=None, with_bf16: bool = True) -> KernelReport:
@@ -145,7 +114,7 @@ def kernel_report(loaded, gguf_path=None, with_bf16: bool = True) -> KernelRepor
     k = block_kernels() if loaded.kernels == "block" else None
     peak = k.int8_peak() if k is not None else None
     gguf = gguf_step_bytes(gguf_path) if gguf_path is not None else None
-    seconds = step_curve(loaded)
+    seconds = forward_cost_curve(loaded, repeats=20, sizes=CURVE, context=STEP_CONTEXT)
     macs = linear_macs(model)
     extra = (seconds[16] - seconds[1]) / 15
     bf16 = bf16_dense_curve(model) if with_bf16 else {}

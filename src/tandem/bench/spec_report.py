@@ -9,6 +9,7 @@ import time
 from tandem.bench.spec import OVERALL, PLAIN, WARMUP_TEXT, SpecCase, default_methods, parse_methods, run_spec_bench
 from tandem.bench.spec_hf import Baselines, load_transformers, pick_assistant
 from tandem.config import EngineConfig
+from tandem.model.cost import forward_cost_curve
 
 
 def bench_spec(args) -> dict:
@@ -58,9 +59,7 @@ def bench_spec(args) -> dict:
         )
     finally:
         engine_log.setLevel(level)
-    from tandem.bench.base import tandem_cost_curve
-
-    report["cost_curve"] = tandem_cost_curve(loaded)
+    report["cost_curve"] = forward_cost_curve(loaded)
     report["limit_per_subtask"] = args.limit
     report["skipped_methods"] = skipped
     report["wall_seconds"] = round(time.perf_counter() - t0, 1)

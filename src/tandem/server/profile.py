@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.model.cost import forward_cost_curve
 from tandem.model.kernels import block_kernels, cpu_name, kernel_description
 from tandem.model.loader import LoadedModel
 from tandem.paths import cache_root
@@ -26,17 +27,6 @@ log = logging.getLogger("tandem.server")
 # (draft length + 1) past 96 is extrapolated linearly, which is how a compute-bound forward grows.
 PROFILE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96)
 PROFILE_ROUNDS = 5
-
-
-def monotone(points: dict[int, float]) -> dict[int, float]:
-    """A forward over more tokens never costs less: a size measured slower than a larger one was
-    hit by other load (shared CPU), so it takes the larger size's time (running minimum from the
-    right). Worked example: {1: 4.7, 2: 0.34, 4: 0.46} -> {1: 0.34, 2: 0.34, 4: 0.46}."""
-    out, low = {}, float("inf")
-    for n in sorted(points, reverse=True):
-        low = min(low, points[n])
-        out[n] = low
-    return dict(sorted(out.items()))
 
 
 def profile_key(loaded: LoadedModel, device: str, threads: int) -> str:
@@ -82,17 +72,15 @@ def cost_curve_for(
         curve = load_profile(target)
         log.info("forward cost curve from %s", target)
         return curve
-    from tandem.bench.base import tandem_cost_curve
-
     from tqdm import tqdm
 
     # Rounds over every size, keeping each size's fastest time: on a shared CPU other tenants only
     # ever add time, and a burst of theirs hits one round of all sizes rather than one size.
     points: dict[int, float] = {}
     for _ in tqdm(range(PROFILE_ROUNDS), desc="profiling forward cost (once per model/threads)", unit="round"):
-        for n, seconds in tandem_cost_curve(loaded, repeats=1, sizes=PROFILE_SIZES).items():
+        for n, seconds in forward_cost_curve(loaded, repeats=1, sizes=PROFILE_SIZES).items():
             points[n] = min(seconds, points.get(n, seconds))
-    curve = CostCurve.from_points(monotone(points))
+    curve = CostCurve.from_points(points).monotone()
     log.info("forward cost curve saved to %s", target)
     save_profile(curve, target, {"model": loaded.name, "quantization": loaded.quantization,
                                  "dtype": str(loaded.dtype), "device": device, "threads": threads,

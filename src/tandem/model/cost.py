@@ -1,0 +1,48 @@
+"""What a target forward costs: the seconds of one verification forward over n new tokens.
+
+One measurement serves the serving policy's profile, the advisor and the benchmarks: a sequence
+at a `context`-token prefix, a forward over n new tokens with logits for all of them and the
+token-by-token attention the engine verifies with, then the cache cut back. Sizes are measured
+in turn within each repeat, and each keeps its fastest time: on a shared CPU other load only
+ever adds time, and a slow spell then hits every size alike instead of one.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tandem.model.kv_cache import KVCache
+from tandem.model.runner import ModelRunner, SeqInput
+
+CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT_FOR_CURVE = 200
+
+
+def forward_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES, context: int = CONTEXT_FOR_CURVE,
+                       clock=time.perf_counter) -> dict[int, float]:
+    """{n: fastest seconds of a verification forward over n new tokens} for a LoadedModel."""
+    cache = KVCache(loaded.config, 1, context + max(sizes) + 1, loaded.dtype)
+    runner = ModelRunner(loaded.model, cache)
+    seq = cache.allocate()
+    vocab = loaded.config.vocab_size
+    runner.forward([SeqInput(seq, [(100 + i % 1000) % vocab for i in range(context)], prefill=True)])
+
+    def forward(n: int) -> None:
+        runner.forward([SeqInput(seq, [(200 + i) % vocab for i in range(n)], logits="all")], token_by_token=True)
+        cache.truncate(seq, context)
+
+    return fastest_of(forward, sizes, repeats, clock)
+
+
+def fastest_of(fn, sizes, repeats: int, clock=time.perf_counter) -> dict[int, float]:
+    """{n: fastest seconds of fn(n)} over `repeats` rounds that run every size in turn, after
+    one warm-up round."""
+    for n in sizes:
+        fn(n)
+    best = {n: float("inf") for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            t = clock()
+            fn(n)
+            best[n] = min(best[n], clock() - t)
+    return best
