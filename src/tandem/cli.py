@@ -8,57 +8,9 @@ import logging
 import sys
 import time
 
+from tandem.flags import add_model_args, add_sampling_args, add_spec_args, sampling_from_args
+
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    from tandem.config import QUANTIZATIONS
-    from tandem.model.loader import DEFAULT_MODEL
-
-    p.add_argument("--model", "--model-path", dest="model", default=DEFAULT_MODEL,
-                   help="built-in name (smollm2-135m-instruct, gemma3-270m), HF directory or .gguf file")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="activation dtype (auto: bfloat16 for quantized weights, float32 for dense)")
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                   help="auto: the GGUF's own 4-bit blocks on CPU; none: dense float weights")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
-
-
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-algorithm", default=None, help="drafter name (e.g. ngram, suffix)")
-    p.add_argument("--speculative-num-draft-tokens", type=int, default=4,
-                   help="draft tokens per round: a chain's length, a tree's node count (root not counted)")
-    p.add_argument("--speculative-draft-model-path", default=None)
-    p.add_argument("--speculative-num-steps", type=int, default=None,
-                   help="draft depth (chains draft min(steps, draft tokens); trees default to 5); SGLang's flag")
-    p.add_argument("--speculative-eagle-topk", type=int, default=1,
-                   help="1: chain drafts; > 1: eagle/eagle3 draft EAGLE-2 trees with this many children per "
-                        "expanded node and this many nodes expanded per depth")
-    p.add_argument("--speculative-tree-lookup", action=argparse.BooleanOptionalAction, default=True,
-                   help="trees also get a suffix-lookup branch (copies from the context)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def sampling_from_args(args):
-    from tandem.config import SamplingParams
-
-    return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, max_tokens=args.max_new_tokens,
-        seed=args.seed, stop=tuple(args.stop),
-    )
 
 
 def llm_from_args(args):

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig, ServerConfig, SpecConfig
+from tandem.flags import add_model_args, add_spec_args
 
 # The server adapts draft lengths to load by default; the library keeps SpecConfig's "fixed"
 # (what you configure is what runs) because a policy without a measured cost curve cannot adapt.
@@ -24,14 +25,11 @@ NO_SPECULATION = ("none", "off")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from tandem.cli import add_model_args, add_spec_args
     from tandem.config import SPEC_POLICIES
 
     add_model_args(p)
-    add_spec_args(p)
-    for action in p._actions:  # the shared flag, with what it means for the server
-        if action.dest == "speculative_algorithm":
-            action.help = "drafter name; default: the model's default drafter (DEFAULT_DRAFTERS); none: plain decoding"
+    add_spec_args(p, algorithm_help="drafter name; default: the model's default drafter (DEFAULT_DRAFTERS); "
+                                    "none: plain decoding")
     p.add_argument("--speculative-policy", default=SERVE_POLICY, choices=SPEC_POLICIES,
                    help="adaptive: draft length per request per step from load, cost curve and acceptance; "
                         "fixed: always --speculative-num-draft-tokens")
