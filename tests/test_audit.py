@@ -15,7 +15,7 @@ from tandem.engine.engine import Engine
 from tandem.sampling import processed_probs
 from tandem.types import Draft
 from tandem.verify import chain, grading, tree
-from tandem.verify.stats import total_variation, tv_bound
+from tandem.verify.stats import total_variation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

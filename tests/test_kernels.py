@@ -71,7 +71,6 @@ def test_fused_input_transforms_and_residual():
     torch.manual_seed(3)
     k = block_kernels()
     layer = BlockQ8Linear.quantize(torch.randn(48, 64))
-    m = None
     x = torch.randn(3, 64)
     w = torch.rand(64) + 0.5
     normed = F.rms_norm(x, (64,), w, 1e-6)

@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
