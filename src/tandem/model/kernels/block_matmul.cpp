@@ -672,9 +672,22 @@ void add_normed(float* x, const float* y, int64_t n, int64_t H, const float* w, 
 
 // Each layer: x += post(o(attend(qkv(rms_norm(x))))); x += post(down(act(gate_up(rms_norm(x)))))
 // where post is the sandwich norm when the layer has one, else the identity.
+// x += post(transform(in) @ W): the residual add fused into the linear, or, with a sandwich norm
+// (post non-null), the projection into `scratch` then its normed rows added.
+void add_projection(const Weights* w, const float* in, int64_t T, int64_t in_stride, int transform, const float* post,
+                    float eps, float* x, int64_t H, std::vector<float>& scratch, int threads) {
+  if (!post) {
+    linear({w, in, T, in_stride, transform, nullptr, 0.f, x, x, threads});
+    return;
+  }
+  scratch.resize(T * H);
+  linear({w, in, T, in_stride, transform, nullptr, 0.f, nullptr, scratch.data(), threads});
+  add_normed(x, scratch.data(), T, H, post, eps);
+}
+
 void decoder_forward(const DecoderArgs& a) {
   const int64_t T = a.T, H = a.H;
-  std::vector<float> qkv, attn(T * a.Hq * a.D), gate_up, out;
+  std::vector<float> qkv, attn(T * a.Hq * a.D), gate_up, scratch;
   for (int64_t l = 0; l < a.num_layers; ++l) {
     const DecoderLayer& layer = a.layers[l];
     qkv.resize(T * layer.qkv->N);
@@ -683,21 +696,11 @@ void decoder_forward(const DecoderArgs& a) {
     attend({qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
             a.kcache + l * a.layer_stride, a.vcache + l * a.layer_stride, a.M, layer.window, a.scale, attn.data(),
             a.threads, layer.q_norm, layer.k_norm, a.eps});
-    if (layer.post_attn_norm) {
-      out.resize(T * H);
-      linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, nullptr, out.data(), a.threads});
-      add_normed(a.x, out.data(), T, H, layer.post_attn_norm, a.eps);
-    } else {
-      linear({layer.o, attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, a.x, a.x, a.threads});
-    }
+    add_projection(layer.o, attn.data(), T, a.Hq * a.D, kIdentity, layer.post_attn_norm, a.eps, a.x, H, scratch,
+                   a.threads);
     linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, gate_up.data(), a.threads});
-    if (layer.post_mlp_norm) {
-      out.resize(T * H);
-      linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, nullptr, out.data(), a.threads});
-      add_normed(a.x, out.data(), T, H, layer.post_mlp_norm, a.eps);
-    } else {
-      linear({layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, a.x, a.x, a.threads});
-    }
+    add_projection(layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, layer.post_mlp_norm, a.eps, a.x, H,
+                   scratch, a.threads);
     if (a.capture && a.capture[l]) std::copy(a.x, a.x + T * H, a.capture[l]);
   }
 }
