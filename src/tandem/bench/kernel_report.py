@@ -9,7 +9,6 @@ the reference of what this CPU does for small batches.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -47,20 +46,10 @@ class KernelReport:
         return asdict(self)
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure_bandwidth(mb: int = 1024, repeats: int = 7) -> float:
     """Read bandwidth in GB/s with all threads: the best of several `sum()` passes over `mb` MB."""
     x = torch.ones(mb * 1024 * 1024 // 4)
-    return x.numel() * 4 / best_time(x.sum, repeats) / 1e9
+    return x.numel() * 4 / fastest_of(lambda _: x.sum(), (1,), repeats)[1] / 1e9
 
 
 def gguf_step_bytes(path) -> int:

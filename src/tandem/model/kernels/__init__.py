@@ -99,10 +99,6 @@ def supported_variants() -> list[str]:
     return [v.name for v in VARIANTS if _compile_flags(v, flags) is not None]
 
 
-def cpu_has_avx2() -> bool:
-    return "avx2" in supported_variants()
-
-
 def requested_kernels() -> str:
     choice = os.environ.get("TANDEM_KERNELS", "auto")
     if choice not in KERNEL_CHOICES:
