@@ -30,10 +30,10 @@ def tiny_hf_config(arch: str, **overrides):
     if arch == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=False)
     if arch == "qwen3":
-        return tf.Qwen3Config(**common, head_dim=24, tie_word_embeddings=True)
+        return tf.Qwen3Config(**{"head_dim": 24, **common}, tie_word_embeddings=True)
     if arch == "gemma3":
         return tf.Gemma3TextConfig(
-            **{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=20, sliding_window=5,
+            **{"head_dim": 16, **common, "num_hidden_layers": 3}, query_pre_attn_scalar=20, sliding_window=5,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},

@@ -57,7 +57,8 @@ def test_block_linear_rows_are_independent_bitwise(kind):
 def test_q4_blocks_keep_gguf_affine_groups_exactly():
     torch.manual_seed(2)
     q = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
-    scale, offset = torch.rand(16, 2), torch.randn(16, 2)
+    # GGUF stores scales and offsets as fp16: those survive exactly
+    scale, offset = torch.rand(16, 2).half().float(), torch.randn(16, 2).half().float()
     layer = BlockQ4Linear.from_affine_groups(q, scale, offset)
     expected = q.float().reshape(16, 2, 32) * scale[..., None] + offset[..., None]
     assert torch.equal(layer.codes(), q)
@@ -65,6 +66,16 @@ def test_q4_blocks_keep_gguf_affine_groups_exactly():
     # a group of 64 splits into two blocks with the same scale and offset
     wide = BlockQ4Linear.from_affine_groups(q, scale[:, :1], offset[:, :1])
     assert torch.equal(wide.dequantize(), (q.float() * scale[:, :1] + offset[:, :1]))
+
+
+def test_block_scales_are_rounded_to_fp16_and_must_fit():
+    q = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
+    scale = torch.full((16, 2), 0.1)  # not an fp16 value
+    layer = BlockQ4Linear.from_affine_groups(q, scale, torch.zeros(16, 2))
+    assert torch.equal(layer.d, scale.half().float())
+    assert not torch.equal(layer.d, scale)
+    with pytest.raises(ValueError, match="fit fp16"):
+        BlockQ8Linear(torch.zeros(4, 32, dtype=torch.int8), torch.full((4, 1), 1e6))
 
 
 def test_fused_input_transforms_and_residual():
@@ -88,16 +99,24 @@ def test_fused_input_transforms_and_residual():
         k.linear(torch.randn(3, 64), layer.blocks(k), transform=SWIGLU)
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_attend_matches_reference_attention(window):
-    torch.manual_seed(4)
-    k = block_kernels()
-    Hq, Hkv, D, M, T, start = 4, 2, 16, 12, 3, 5
-    kc, vc = torch.zeros(2, Hkv, M, D), torch.zeros(2, Hkv, M, D)
-    kc[1, :, :start], vc[1, :, :start] = torch.randn(Hkv, start, D), torch.randn(Hkv, start, D)
+def rope_tables(M: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.arange(M + 1, dtype=torch.float32)[:, None] * (1.0 / 100 ** (torch.arange(D // 2) / (D // 2)))
     emb = torch.cat([pos, pos], -1)
-    cos, sin = emb.cos(), torch.cat([-emb.sin()[:, : D // 2], emb.sin()[:, D // 2 :]], -1)
+    return emb.cos(), torch.cat([-emb.sin()[:, : D // 2], emb.sin()[:, D // 2 :]], -1)
+
+
+# D 16 and 24 take the any-width path; 64, 128 and 256 the register paths, where queries of one
+# kv head share each key load.
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("D", [16, 64, 128, 256])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_attend_matches_reference_attention(window, D, kv_dtype):
+    torch.manual_seed(4)
+    k = block_kernels()
+    Hq, Hkv, M, T, start = 6, 2, 12, 3, 5
+    kc, vc = torch.zeros(2, Hkv, M, D, dtype=kv_dtype), torch.zeros(2, Hkv, M, D, dtype=kv_dtype)
+    kc[1, :, :start], vc[1, :, :start] = torch.randn(Hkv, start, D), torch.randn(Hkv, start, D)
+    cos, sin = rope_tables(M, D)
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D)
     slots = torch.arange(start, start + T)
     out = k.attend(qkv, torch.ones(T, dtype=torch.long), slots, cos, sin, kc, vc, Hq, Hkv, window, 0.25)
@@ -109,24 +128,63 @@ def test_attend_matches_reference_attention(window):
         p = start + t
         q = qkv[t, : Hq * D].view(Hq, D)
         k_new = qkv[t, Hq * D : (Hq + Hkv) * D].view(Hkv, D)
-        torch.testing.assert_close(kc[1, :, p], rope(k_new, p))
-        torch.testing.assert_close(vc[1, :, p], qkv[t, (Hq + Hkv) * D :].view(Hkv, D))
+        # written in the cache's dtype, rounded to nearest as torch rounds
+        assert torch.equal(kc[1, :, p], rope(k_new, p).to(kv_dtype)) or kv_dtype == torch.float32
+        torch.testing.assert_close(kc[1, :, p].float(), rope(k_new, p), atol=2e-3, rtol=2e-3)
+        assert torch.equal(vc[1, :, p], qkv[t, (Hq + Hkv) * D :].view(Hkv, D).to(kv_dtype))
         lo = 0 if window is None else max(0, p - window + 1)
-        keys, values = kc[1, :, lo : p + 1], vc[1, :, lo : p + 1]
+        keys, values = kc[1, :, lo : p + 1].float(), vc[1, :, lo : p + 1].float()
         ref = F.scaled_dot_product_attention(rope(q, p)[None, :, None], keys[None], values[None], scale=0.25, enable_gqa=True)
         torch.testing.assert_close(out[t].view(Hq, D), ref[0, :, 0], atol=1e-5, rtol=1e-5)
 
 
-def block_model(arch: str, mode: str = "int4") -> tuple:
-    hf, _ = build_tiny(arch)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("D", [24, 64, 128, 256])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_attend_tokens_do_not_depend_on_the_call(threads, D, kv_dtype):
+    """Chains of two sequences in one call (queries then share key loads in blocks that depend on
+    the token count and the threads) equal one-token calls bit for bit, windows included."""
+    torch.manual_seed(5)
+    torch.set_num_threads(threads)
+    k = block_kernels()
+    Hq, Hkv, M, prefix = 6, 2, 40, 9
+    cos, sin = rope_tables(M, D)
+    base_k = torch.randn(3, Hkv, M, D).to(kv_dtype)
+    base_v = torch.randn(3, Hkv, M, D).to(kv_dtype)
+    seq = torch.tensor([0, 0, 0, 0, 0, 2, 2])
+    slot = torch.tensor([prefix, prefix + 1, prefix + 2, prefix + 3, prefix + 4, prefix, prefix + 1])
+    qkv = torch.randn(len(seq), (Hq + 2 * Hkv) * D)
+    for window in (None, 4):
+        kc, vc = base_k.clone(), base_v.clone()
+        together = k.attend(qkv, seq, slot, cos, sin, kc, vc, Hq, Hkv, window, 0.3)
+        kc1, vc1 = base_k.clone(), base_v.clone()
+        alone = torch.cat([k.attend(qkv[t : t + 1], seq[t : t + 1], slot[t : t + 1], cos, sin, kc1, vc1, Hq, Hkv,
+                                    window, 0.3) for t in range(len(seq))])
+        assert torch.equal(together, alone)
+        assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
+
+
+def block_model(arch: str, mode: str = "int4", **overrides) -> tuple:
+    hf, _ = build_tiny(arch, **overrides)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     cfg = model_config_from_hf(hf.config.to_dict())
     model = TransformerLM(cfg, StateDictSource(state, mode, torch.float32, kernels="block"), torch.float32)
     return hf, model
 
 
-def runner_for(model, max_seqs=4, max_len=64):
-    return ModelRunner(model, KVCache(model.cfg, max_seqs, max_len, model.dtype))
+def runner_for(model, max_seqs=4, max_len=64, kv_dtype=None):
+    return ModelRunner(model, KVCache(model.cfg, max_seqs, max_len, model.dtype, storage=kv_dtype))
+
+
+# Head dims of the register attention paths (64 as SmolLM2's, 256 as Gemma 3's), on models the
+# size of these tests; the others have heads of 16 or 24.
+WIDE_HEADS = {"llama-d64": ("llama", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1)),
+              "gemma3-d256": ("gemma3", dict(head_dim=256, num_attention_heads=4, num_key_value_heads=1))}
+
+
+def block_model_named(name: str):
+    arch, overrides = WIDE_HEADS.get(name, (name, {}))
+    return block_model(arch, **overrides)[1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3"])
@@ -146,30 +204,33 @@ def test_fused_path_matches_general_path(arch):
     assert (out_f.logits.argmax(-1) == out_g.logits.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3"])
-def test_block_verification_is_bitwise_plain_decoding(arch):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3", *WIDE_HEADS])
+def test_block_verification_is_bitwise_plain_decoding(arch, kv_dtype):
     """A verification forward over several tokens, batched with another sequence, reproduces
     one-token decoding bit for bit on the block kernels' fused path (mistral with its sliding
-    window, qwen3 with q/k norms, gemma3 with sandwich norms, GeGLU and two rope tables)."""
-    _, model = block_model(arch)
+    window, qwen3 with q/k norms, gemma3 with sandwich norms, GeGLU and two rope tables), with
+    either KV cache dtype."""
+    model = block_model_named(arch)
     prompt, new = list(range(10, 19)), [40, 41, 42, 43, 44, 45, 46]
-    plain = runner_for(model)
+    plain = runner_for(model, kv_dtype=kv_dtype)
     seq = plain.cache.allocate()
     plain.forward([SeqInput(seq, prompt)])
     ref = torch.cat([plain.forward([SeqInput(seq, [t])]).logits for t in new])
-    spec = runner_for(model)
+    spec = runner_for(model, kv_dtype=kv_dtype)
     s1, s2 = spec.cache.allocate(), spec.cache.allocate()
     spec.forward([SeqInput(s1, prompt), SeqInput(s2, [7, 8, 9])])
     out = spec.forward([SeqInput(s1, new, logits="all"), SeqInput(s2, [50, 51])], token_by_token=True)
     assert torch.equal(out.rows(0), ref)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3"])
-def test_tree_verification_commits_paths_bitwise_plain_decoding(arch):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3", "gemma3", *WIDE_HEADS])
+def test_tree_verification_commits_paths_bitwise_plain_decoding(arch, kv_dtype):
     """A tree verified token by token (batched with a chain), then one accepted path gathered
     with commit_path: every node's logits and the next forward's equal one-token decoding of
-    that path bit for bit (on the fused path, every architecture)."""
-    _, model = block_model(arch)
+    that path bit for bit (on the fused path, every architecture, either KV cache dtype)."""
+    model = block_model_named(arch)
     prompt = list(range(10, 21))
     #        0            tokens 40..46
     #      / | \
@@ -180,12 +241,12 @@ def test_tree_verification_commits_paths_bitwise_plain_decoding(arch):
     paths = [[0], [0, 1], [0, 2], [0, 3], [0, 1, 4], [0, 1, 5], [0, 3, 6]]
 
     def decoded(path_tokens):
-        plain = runner_for(model)
+        plain = runner_for(model, kv_dtype=kv_dtype)
         seq = plain.cache.allocate()
         plain.forward([SeqInput(seq, prompt)])
         return torch.cat([plain.forward([SeqInput(seq, [t])]).logits for t in path_tokens])
 
-    spec = runner_for(model)
+    spec = runner_for(model, kv_dtype=kv_dtype)
     s1, s2 = spec.cache.allocate(), spec.cache.allocate()
     spec.forward([SeqInput(s1, prompt), SeqInput(s2, [7, 8, 9])])
     out = spec.forward([SeqInput(s1, tokens, parents=parents, logits="all"), SeqInput(s2, [50, 51])], token_by_token=True)
@@ -203,28 +264,29 @@ def test_models_with_qk_norm_or_sandwich_norms_take_the_fused_path():
         assert runner_for(model).fused is not None
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_prefill_rows_do_not_depend_on_the_batch_and_decoding_stays_bitwise(arch):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", *WIDE_HEADS])
+def test_prefill_rows_do_not_depend_on_the_batch_and_decoding_stays_bitwise(arch, kv_dtype):
     """Prompts flagged prefill take the general path: each prompt's numbers are the same alone or
     batched with others (of other lengths), the same as an unflagged forward of those tokens
     (one set of kernels), and a verification forward after such a prefill still reproduces
     one-token decoding bit for bit."""
-    _, model = block_model(arch)
+    model = block_model_named(arch)
     long, short = list(range(10, 50)), list(range(60, 72))
-    alone = runner_for(model)
+    alone = runner_for(model, kv_dtype=kv_dtype)
     ref = alone.forward([SeqInput(alone.cache.allocate(), long, logits="all", prefill=True)], hidden_layers=(1,))
-    batched = runner_for(model)
+    batched = runner_for(model, kv_dtype=kv_dtype)
     seq, other = batched.cache.allocate(), batched.cache.allocate()
     out = batched.forward([SeqInput(other, short, prefill=True), SeqInput(seq, long, logits="all", prefill=True)],
                           hidden_layers=(1,))
     assert torch.equal(out.rows(1), ref.logits) and torch.equal(out.hidden[1][1], ref.hidden[1][0])
-    decode_kernels = runner_for(model)
+    decode_kernels = runner_for(model, kv_dtype=kv_dtype)
     unflagged = decode_kernels.forward([SeqInput(decode_kernels.cache.allocate(), long, logits="all")])
     assert torch.equal(unflagged.logits, ref.logits)
 
     new = [40, 41, 42, 43, 44]
     step = torch.cat([batched.forward([SeqInput(seq, [t])]).logits for t in new])
-    verify = runner_for(model)
+    verify = runner_for(model, kv_dtype=kv_dtype)
     s1 = verify.cache.allocate()
     verify.forward([SeqInput(s1, long, prefill=True)])
     out = verify.forward([SeqInput(s1, new, logits="all")], token_by_token=True)

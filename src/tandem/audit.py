@@ -148,7 +148,8 @@ class Auditor:
         self.k = engine.config.spec.num_draft_tokens
         cfg = engine.loaded.config
         self.batch = batch
-        self.cache = KVCache(cfg, batch, len(self.ctx) + 2 * self.k + 4, engine.loaded.dtype, engine.config.device)
+        self.cache = KVCache(cfg, batch, len(self.ctx) + 2 * self.k + 4, engine.loaded.dtype, engine.config.device,
+                             engine.cache.k.dtype)
         self.runner = ModelRunner(engine.loaded.model, self.cache)
         self.rows = [self.cache.allocate() for _ in range(batch)]
         # Prefill the context once and copy its KV rows: every round starts from the same state.

@@ -18,7 +18,7 @@ def llm_from_args(args):
 
     return LLM(
         args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-        max_model_len=args.max_model_len, threads=args.threads,
+        max_model_len=args.max_model_len, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
         speculative_algorithm=getattr(args, "speculative_algorithm", None),
         speculative_num_draft_tokens=getattr(args, "speculative_num_draft_tokens", 4),
         speculative_draft_model_path=getattr(args, "speculative_draft_model_path", None),

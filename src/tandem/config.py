@@ -14,6 +14,9 @@ DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "native", "int8", "int4")
 GREEDY_TEMPERATURE = 1e-5
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+KV_CACHE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16"}
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -127,6 +130,7 @@ class EngineConfig:
     max_num_seqs: int = 8
     threads: int | None = None
     spec: SpecConfig = field(default_factory=SpecConfig)
+    kv_cache_dtype: str = "auto"  # passed to load_model (model/kv_cache.kv_cache_dtype)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -139,6 +143,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype) not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or fp32, fp16), got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.config import QUANTIZATIONS, SamplingParams
+from tandem.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS, SamplingParams
 from tandem.model.loader import DEFAULT_MODEL
 
 
@@ -13,11 +13,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "--model-path", dest="model", default=DEFAULT_MODEL,
                    help="built-in name (smollm2-135m-instruct, gemma3-270m), HF directory or .gguf file")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="activation dtype (auto: bfloat16 for quantized weights, float32 for dense)")
+                   help="activation dtype (auto: float32 on CPU, except bfloat16 where torch's int4/int8 kernels "
+                        "serve the weights; bfloat16 on CUDA)")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                    help="auto: the GGUF's own 4-bit blocks on CPU; none: dense float weights")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES],
+                   help="what the KV cache stores (auto: fp16 where tandem's fused CPU kernels run the model, "
+                        "else fp32 on CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
 
 

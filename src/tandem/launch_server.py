@@ -68,6 +68,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_running_requests, threads=args.threads, spec=spec,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     server = ServerConfig(
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
@@ -89,7 +90,7 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
 
     threads = configure_threads(engine_config.threads)
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, quantization=engine_config.quantization,
-                        device=engine_config.device)
+                        device=engine_config.device, kv_cache_dtype=engine_config.kv_cache_dtype)
     spec = engine_config.spec
     curve = None
     if spec.algorithm and spec.policy == "adaptive":

@@ -50,6 +50,7 @@ class LLM:
         speculative_num_steps: int | None = None,
         speculative_eagle_topk: int = 1,
         speculative_tree_lookup: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         spec = SpecConfig(
             algorithm=speculative_algorithm,
@@ -68,9 +69,11 @@ class LLM:
             max_num_seqs=max_num_seqs,
             threads=threads,
             spec=spec,
+            kv_cache_dtype=kv_cache_dtype,
         )
         configure_threads(threads)
-        self.loaded = load_model(model, dtype=dtype, quantization=quantization, device=device)
+        self.loaded = load_model(model, dtype=dtype, quantization=quantization, device=device,
+                                 kv_cache_dtype=kv_cache_dtype)
         self.engine = Engine(self.loaded, self.config)
         # Loading leaves millions of long-lived objects; keep the cyclic GC from rescanning them
         # in the middle of decoding (measured 100+ ms pauses).

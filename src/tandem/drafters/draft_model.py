@@ -75,7 +75,7 @@ class DraftLM:
     def __init__(self, loaded: LoadedModel, device: str, max_len: int = DRAFT_MAX_LEN,
                  max_seqs: int = DRAFT_INITIAL_SEQS) -> None:
         self.loaded = loaded
-        self.cache = KVCache(loaded.config, max_seqs, max_len, loaded.dtype, device)
+        self.cache = KVCache(loaded.config, max_seqs, max_len, loaded.dtype, device, loaded.kv_dtype(device))
         self.runner = ModelRunner(loaded.model, self.cache)
         self._rows: dict[str, _Row] = {}
 
@@ -131,7 +131,7 @@ class DraftLM:
         """Twice the rows, keeping every row's contents and index (only called when all are taken)."""
         old = self.cache
         n = old.max_seqs
-        new = KVCache(self.loaded.config, 2 * n, old.max_len, self.loaded.dtype, old.k.device)
+        new = KVCache(self.loaded.config, 2 * n, old.max_len, self.loaded.dtype, old.k.device, old.k.dtype)
         for _ in range(n):  # a fresh cache hands out rows 0, 1, ...: the same ids the full one uses
             new.allocate()
         new.k[:, :n] = old.k

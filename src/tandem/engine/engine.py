@@ -49,7 +49,8 @@ class Engine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
-        self.cache = KVCache(cfg, config.max_num_seqs, config.max_model_len, loaded.dtype, config.device)
+        self.cache = KVCache(cfg, config.max_num_seqs, config.max_model_len, loaded.dtype, config.device,
+                             loaded.kv_dtype(config.device))
         self.runner = ModelRunner(loaded.model, self.cache)
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()

@@ -21,7 +21,7 @@ CONTEXT_FOR_CURVE = 200
 def forward_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES, context: int = CONTEXT_FOR_CURVE,
                        clock=time.perf_counter) -> dict[int, float]:
     """{n: fastest seconds of a verification forward over n new tokens} for a LoadedModel."""
-    cache = KVCache(loaded.config, 1, context + max(sizes) + 1, loaded.dtype)
+    cache = KVCache(loaded.config, 1, context + max(sizes) + 1, loaded.dtype, storage=loaded.kv_dtype())
     runner = ModelRunner(loaded.model, cache)
     seq = cache.allocate()
     vocab = loaded.config.vocab_size

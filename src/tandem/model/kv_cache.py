@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES
 from tandem.model.arch import ModelConfig
 from tandem.model.transformer import LayerCache
 
@@ -16,10 +17,27 @@ class CacheFullError(RuntimeError):
     pass
 
 
-def kv_cache_dtype(activation_dtype: torch.dtype, device: str | torch.device) -> torch.dtype:
-    """fp32 on CPU whatever the activations: without native bf16, attention over a bf16 cache
-    measured ~5x slower than over fp32 on this CPU (and fp32 keeps attention exact)."""
-    return torch.float32 if str(device).startswith("cpu") else activation_dtype
+
+
+def kv_cache_dtype(activation_dtype: torch.dtype, device: str | torch.device, requested: str = "auto",
+                   fused: bool = False) -> torch.dtype:
+    """The dtype the cache stores (`--kv-cache-dtype`).
+
+    auto: fp16 for a model on the fused CPU path, whose kernels widen it to fp32 in registers
+    (half the bytes a long context reads per step); else fp32 on CPU whatever the activations
+    (without native bf16, attention over a bf16 cache measured ~5x slower than over fp32 here);
+    the activation dtype on GPUs. float32 / float16 force one. Verification matches plain
+    decoding bit for bit within one KV dtype, not across them.
+    """
+    name = KV_CACHE_ALIASES.get(requested, requested)
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv cache dtype {requested!r}: choose one of {', '.join(KV_CACHE_DTYPES)} (or fp32, fp16)")
+    if name != "auto":
+        return getattr(torch, name)
+    on_cpu = str(device).startswith("cpu")
+    if on_cpu and fused:
+        return torch.float16
+    return torch.float32 if on_cpu else activation_dtype
 
 
 class KVCache:
@@ -30,10 +48,12 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        storage: torch.dtype | None = None,
     ) -> None:
-        """dtype: the model's activation dtype (the cache may store a wider one, see kv_cache_dtype)."""
+        """dtype: the model's activation dtype; storage: the dtype the cache holds (default:
+        kv_cache_dtype's choice for a model off the fused path)."""
         shape = (cfg.num_layers, max_seqs, cfg.num_kv_heads, max_len, cfg.head_dim)
-        dtype = kv_cache_dtype(dtype, device)
+        dtype = storage or kv_cache_dtype(dtype, device)
         # Layout [L, S, Hkv, M, D]: a sequence's keys for one layer are a contiguous [Hkv, M, D]
         # block, so a batch-1 read is a view and attention needs no gather.
         self.k = torch.zeros(shape, dtype=dtype, device=device)

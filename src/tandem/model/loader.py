@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from tandem.model.arch import ModelConfig, model_config_from_hf
+from tandem.model.fused import fused_eligible
 from tandem.model.kernels import block_kernels
+from tandem.model.kv_cache import kv_cache_dtype
 from tandem.model.transformer import TransformerLM
 from tandem.paths import cache_root
 
@@ -215,6 +217,12 @@ class LoadedModel:
     dtype: torch.dtype
     quantization: str
     kernels: str = "torch"  # "block": tandem's block kernels (model/kernels); "torch": torch's own
+    kv_cache_dtype: str = "auto"  # what the KV cache stores (model/kv_cache.kv_cache_dtype)
+
+    def kv_dtype(self, device: str | torch.device = "cpu") -> torch.dtype:
+        """The dtype KV caches for this model hold on `device`."""
+        fused = self.kernels == "block" and fused_eligible(self.model)
+        return kv_cache_dtype(self.dtype, device, self.kv_cache_dtype, fused)
 
 
 def resolve_quantization(quantization: str, src: ModelSource, device: str) -> str:
@@ -256,6 +264,7 @@ def load_model(
     dtype: str = "auto",
     quantization: str = "auto",
     device: str = "cpu",
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     from transformers import AutoTokenizer
 
@@ -278,7 +287,9 @@ def load_model(
         weights = StateDictSource(load_safetensors_dir(src.hf_dir), quant, torch_dtype, kernels)
     model = build_model(cfg, weights, torch_dtype, desc=f"loading {src.name}")
     tokenizer = AutoTokenizer.from_pretrained(str(src.hf_dir))
-    return LoadedModel(model.to(device), tokenizer, cfg, src.name, torch_dtype, quant, kernels)
+    loaded = LoadedModel(model.to(device), tokenizer, cfg, src.name, torch_dtype, quant, kernels, kv_cache_dtype)
+    loaded.kv_dtype(device)  # a bad kv_cache_dtype fails here, not at the first request
+    return loaded
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, desc: str = "building model") -> TransformerLM:

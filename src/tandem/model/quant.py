@@ -168,7 +168,8 @@ class Int4Linear(nn.Module):
         g = weight.detach().float().reshape(out_features, -1, group_size)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
         # A constant group has max == min; any positive scale then encodes it exactly.
-        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))
+        scale = fp16_scales(torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo)))
+        lo = fp16_scales(lo)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15)
         return cls.from_affine_groups(q.reshape(out_features, in_features).to(torch.uint8),
                                       scale, lo, bias)
@@ -307,12 +308,22 @@ def _block_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, layer.out_features)
 
 
+def fp16_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales rounded to fp16 (kept as float32 tensors): the block kernels read them as
+    fp16, as GGUF stores them, so GGUF weights lose nothing and a step reads the GGUF's bytes."""
+    half = scales.detach().float().half()
+    if not torch.isfinite(half).all():
+        raise ValueError(f"block scales up to {scales.abs().max().item():.3g} do not fit fp16 (max 65504)")
+    return half.float().contiguous()
+
+
 class BlockQ4Linear(nn.Module):
     """y = x W^T + b with W in 4-bit blocks of 32 inputs: w = d * q + m, q in 0..15 (GGUF Q4_1).
 
     Runs on tandem's block kernels (model/kernels), which quantizes each activation row to int8
     blocks of 32 and multiplies in integers, as llama.cpp does. Buffers: qs uint8 [out, in/2]
-    (byte j of a block holds q_j low and q_{j+16} high), d and m float32 [out, in/32]. Takes any
+    (byte j of a block holds q_j low and q_{j+16} high), d and m [out, in/32] (fp16 values held
+    as float32). Takes any
     float input, returns float32.
     """
 
@@ -323,8 +334,8 @@ class BlockQ4Linear(nn.Module):
             raise ValueError(f"q4 blocks {tuple(qs.shape)} {qs.dtype} do not match scales {tuple(d.shape)}/{tuple(m.shape)}")
         self.in_features, self.out_features = 2 * half, out_features
         self.register_buffer("qs", qs.contiguous())
-        self.register_buffer("d", d.float().contiguous())
-        self.register_buffer("m", m.float().contiguous())
+        self.register_buffer("d", fp16_scales(d))
+        self.register_buffer("m", fp16_scales(m))
         self.register_buffer("bias", None if bias is None else bias.float())
 
     @classmethod
@@ -348,7 +359,8 @@ class BlockQ4Linear(nn.Module):
             raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
         g = weight.detach().float().reshape(out_features, -1, BLOCK)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))
+        scale = fp16_scales(torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo)))
+        lo = fp16_scales(lo)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15)
         return cls.from_affine_groups(q.reshape(out_features, in_features).to(torch.uint8), scale, lo, bias)
 
@@ -375,8 +387,8 @@ class BlockQ4Linear(nn.Module):
 class BlockQ8Linear(nn.Module):
     """y = x W^T + b with W in 8-bit blocks of 32 inputs: w = d * q, q in -127..127 (GGUF Q8_0).
 
-    Runs on tandem's block kernels like BlockQ4Linear. Buffers: qs int8 [out, in], d float32
-    [out, in/32]. Takes any float input, returns float32.
+    Runs on tandem's block kernels like BlockQ4Linear. Buffers: qs int8 [out, in], d [out,
+    in/32] (fp16 values held as float32). Takes any float input, returns float32.
     """
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -387,7 +399,7 @@ class BlockQ8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         # -128 has no positive twin: the kernel's sign trick needs codes in -127..127.
         self.register_buffer("qs", qs.clamp(-127, 127).contiguous())
-        self.register_buffer("d", d.float().contiguous())
+        self.register_buffer("d", fp16_scales(d))
         self.register_buffer("bias", None if bias is None else bias.float())
 
     @classmethod
@@ -398,7 +410,7 @@ class BlockQ8Linear(nn.Module):
             raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
         g = weight.detach().float().reshape(out_features, -1, BLOCK)
         amax = g.abs().amax(dim=-1)
-        d = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        d = fp16_scales(torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)))
         q = torch.round(g / d[..., None]).clamp_(-127, 127).to(torch.int8)
         return cls(q.reshape(out_features, in_features), d, bias)
 

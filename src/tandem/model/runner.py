@@ -227,7 +227,9 @@ class ModelRunner:
     def _segments(self, inputs, starts, lens, positions, token_by_token) -> list[AttentionSegment]:
         """Attention calls for chains. A single query at position p sees slots [lo, p + 1) with
         lo = p - window + 1 for sliding-window layers: a slice, no mask, exactly what one-token
-        decoding computes. A multi-token segment (prefill) is one causal masked call."""
+        decoding computes. A multi-token segment (prefill) is one causal call: with no prefix,
+        a plain causal one (no mask, so attention skips the hidden half) wherever no sliding
+        window cuts it; else a masked one."""
         segments = []
         for b, (inp, start, n) in enumerate(zip(inputs, starts, lens)):
             if inp.parents is not None:
@@ -243,8 +245,11 @@ class ModelRunner:
                     segments.append(AttentionSegment(b, inp.seq, t, t + 1, p + 1, lo, dict.fromkeys(self.windows)))
             else:
                 hi = start + n
-                masks = {w: self._mask([inp], [start], [n], n, hi, positions[b : b + 1, :n], w) for w in self.windows}
-                segments.append(AttentionSegment(b, inp.seq, 0, n, hi, dict.fromkeys(self.windows, 0), masks))
+                causal = start == 0
+                masks = {w: None if causal and (w is None or n <= w)
+                         else self._mask([inp], [start], [n], n, hi, positions[b : b + 1, :n], w) for w in self.windows}
+                segments.append(AttentionSegment(b, inp.seq, 0, n, hi, dict.fromkeys(self.windows, 0), masks,
+                                                 causal=causal))
         return segments
 
     def _check_tree_window(self, inp: SeqInput, positions: list[int]) -> None:

@@ -73,8 +73,9 @@ class LayerCache:
 @dataclass
 class AttentionSegment:
     """One attention call: queries t0:t1 of batch row b against keys [lo[window], hi) of cache
-    row `seq`, with masks[window] ([1, 1, t1 - t0, hi - lo] bool) or None for no mask; then,
-    for a tree node, the slots `keys` (its path, root first)."""
+    row `seq`, with masks[window] ([1, 1, t1 - t0, hi - lo] bool) or None for no mask (causal:
+    None means the plain causal mask of a prompt with no prefix); then, for a tree node, the
+    slots `keys` (its path, root first)."""
 
     b: int
     seq: int
@@ -84,6 +85,7 @@ class AttentionSegment:
     lo: dict[int | None, int]
     masks: dict[int | None, torch.Tensor | None]
     keys: torch.Tensor | None = None
+    causal: bool = False
 
 
 @dataclass
@@ -158,8 +160,10 @@ class DecoderLayer(nn.Module):
             q, k = _rope(qk.view(B, T, heads + kv_heads, hd), cos, sin).split([heads, kv_heads], dim=2)
         v = v.view(B, T, kv_heads, hd)
         # The cache may be wider than the activations (fp32 cache with bf16 activations: this
-        # CPU has no native bf16, and fp32 attention measured ~5x faster than bf16 here).
+        # CPU has no native bf16, and fp32 attention measured ~5x faster than bf16 here), or an
+        # fp16 store that attention on a CPU reads back as fp32.
         k, v = k.to(cache.k.dtype), v.to(cache.k.dtype)
+        attn_dtype = torch.float32 if cache.k.dtype == torch.float16 and cache.k.device.type == "cpu" else cache.k.dtype
         if plan.write_fast is not None:
             seq, start = plan.write_fast
             cache.k[seq, :, start : start + T] = k[0].transpose(0, 1)
@@ -170,7 +174,7 @@ class DecoderLayer(nn.Module):
             vf = v[valid] if valid is not None else v.reshape(B * T, cfg.num_kv_heads, cfg.head_dim)
             cache.k[plan.write_seq, :, plan.write_slot] = kf
             cache.v[plan.write_seq, :, plan.write_slot] = vf
-        qt = q.transpose(1, 2).to(cache.k.dtype)  # [B, H, T, D]
+        qt = q.transpose(1, 2).to(attn_dtype)  # [B, H, T, D]
         gqa = cfg.num_heads != cfg.num_kv_heads
         if plan.segments is not None:
             attn = None if len(plan.segments) == 1 else qt.new_zeros(qt.shape)
@@ -182,8 +186,9 @@ class DecoderLayer(nn.Module):
                     keys = torch.cat([keys, cache.k[seg.seq : seg.seq + 1, :, seg.keys]], dim=2)
                     values = torch.cat([values, cache.v[seg.seq : seg.seq + 1, :, seg.keys]], dim=2)
                 out = F.scaled_dot_product_attention(
-                    qt[seg.b : seg.b + 1, :, seg.t0 : seg.t1], keys, values,
+                    qt[seg.b : seg.b + 1, :, seg.t0 : seg.t1], keys.to(attn_dtype), values.to(attn_dtype),
                     attn_mask=seg.masks[self.window], scale=cfg.attn_scale, enable_gqa=gqa,
+                    is_causal=seg.causal and seg.masks[self.window] is None,
                 )
                 if attn is None:
                     attn = out
@@ -192,8 +197,8 @@ class DecoderLayer(nn.Module):
         else:
             attn = F.scaled_dot_product_attention(
                 qt,
-                cache.k[plan.read_seqs, :, : plan.read_len],
-                cache.v[plan.read_seqs, :, : plan.read_len],
+                cache.k[plan.read_seqs, :, : plan.read_len].to(attn_dtype),
+                cache.v[plan.read_seqs, :, : plan.read_len].to(attn_dtype),
                 attn_mask=plan.masks[self.window], scale=cfg.attn_scale, enable_gqa=gqa,
             )
         attn = self.o(attn.transpose(1, 2).reshape(B, T, self.q_size).to(x.dtype)).to(x.dtype)

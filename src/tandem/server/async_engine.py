@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tandem.config import SamplingParams
 from tandem.engine.engine import Engine

@@ -30,18 +30,19 @@ PROFILE_ROUNDS = 5
 
 
 def profile_key(loaded: LoadedModel, device: str, threads: int) -> str:
-    """Names one measured curve: the model, its weights and dtype, the kernels that run them
-    (a TANDEM_KERNELS override or a new kernel build measures anew) and the machine (the CPU's
-    model name)."""
+    """Names one measured curve: the model, its weights and dtype, the KV cache's dtype, the
+    kernels that run them (a TANDEM_KERNELS override or a new kernel build measures anew) and
+    the machine (the CPU's model name)."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(loaded.name).name)
     dtype = str(loaded.dtype).replace("torch.", "")
+    kv = str(loaded.kv_dtype(device)).replace("torch.", "")
     kernels = kernel_description() if loaded.kernels == "block" else loaded.kernels
     running = block_kernels() if loaded.kernels == "block" else None
     build = running.build_key if running is not None else ""  # new kernel code measures anew
     machine = cpu_name() if device == "cpu" else device
     digest = hashlib.sha1("|".join((loaded.name, kernels, build, machine)).encode()).hexdigest()[:8]
     variant = re.sub(r"[^A-Za-z0-9_.-]+", "_", kernels)
-    return f"{name}-{digest}-{loaded.quantization}-{dtype}-{variant}-{device}-t{threads}"
+    return f"{name}-{digest}-{loaded.quantization}-{dtype}-kv_{kv}-{variant}-{device}-t{threads}"
 
 
 def default_profile_path(loaded: LoadedModel, device: str, threads: int) -> Path:

@@ -62,7 +62,8 @@ def engine_forward_factory(loaded, batch_size: int):
     from tandem.model.runner import ModelRunner, SeqInput
 
     def forward_factory(max_len: int):
-        cache = KVCache(loaded.config, batch_size, max_len, loaded.dtype, loaded.model.embed.device)
+        device = loaded.model.embed.device
+        cache = KVCache(loaded.config, batch_size, max_len, loaded.dtype, device, loaded.kv_dtype(device))
         runner = ModelRunner(loaded.model, cache)
 
         def forward(group: list[Sequence], wanted: tuple[int, ...]) -> dict[int, list[torch.Tensor]]:

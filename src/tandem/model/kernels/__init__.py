@@ -152,6 +152,7 @@ class _AttendArgs(ctypes.Structure):
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p),
         ("M", ctypes.c_int64), ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
         ("threads", ctypes.c_int), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
+        ("kv_half", ctypes.c_int),
     ]
 
 
@@ -173,12 +174,19 @@ class _DecoderArgs(ctypes.Structure):
         ("x", ctypes.c_void_p), ("T", ctypes.c_int64),
         ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hi", ctypes.c_void_p),
         ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("M", ctypes.c_int64), ("layer_stride", ctypes.c_int64),
-        ("capture", ctypes.POINTER(ctypes.c_void_p)), ("threads", ctypes.c_int),
+        ("capture", ctypes.POINTER(ctypes.c_void_p)), ("threads", ctypes.c_int), ("kv_half", ctypes.c_int),
     ]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _kv_half(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """1 for an fp16 KV cache, 0 for float32 (the two the kernels read)."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"the block kernels read a float32 or float16 KV cache, not {k_cache.dtype}/{v_cache.dtype}")
+    return int(k_cache.dtype == torch.float16)
 
 
 class BlockWeights:
@@ -203,8 +211,8 @@ class BlockWeights:
             quads = codes.view(groups, lanes, nb, 8, 4).permute(0, 2, 3, 1, 4)
             packed = (quads.to(torch.int16) + q8_bias).to(torch.uint8) if q8_bias else quads.view(torch.uint8)
 
-        def grouped(scales: torch.Tensor) -> torch.Tensor:
-            padded = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))
+        def grouped(scales: torch.Tensor) -> torch.Tensor:  # fp16, as GGUF stores them
+            padded = torch.nn.functional.pad(scales.half(), (0, 0, 0, pad))
             return padded.view(groups, lanes, nb).permute(0, 2, 1).contiguous()
 
         self.packed = packed.contiguous()
@@ -303,7 +311,7 @@ class BlockKernels:
         args = _AttendArgs(
             _ptr(qkv), T, num_heads, num_kv_heads, D, _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
             _ptr(keys), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[2], window or 0, scale,
-            _ptr(out), torch.get_num_threads(), _ptr(q_norm), _ptr(k_norm), eps,
+            _ptr(out), torch.get_num_threads(), _ptr(q_norm), _ptr(k_norm), eps, _kv_half(k_cache, v_cache),
         )
         self._attend(ctypes.byref(args))
         return out
@@ -313,7 +321,7 @@ class BlockKernels:
                 capture: dict[int, torch.Tensor]) -> None:
         """Run every decoder layer over x [T, H] in place (see block_matmul.cpp decoder_forward):
         layers is a ctypes array of _DecoderLayer (decoder_layers builds it once per model);
-        k_cache/v_cache [L, S, Hkv, M, D]; capture {layer: [T, H] tensor} receives layer outputs."""
+        k_cache/v_cache [L, S, Hkv, M, D] float32 or float16; capture {layer: [T, H] tensor} receives layer outputs."""
         pos, hi, key_off, keys = (None,) * 4 if tree is None else (tree.pos, tree.hi, tree.key_off, tree.keys)
         L = len(layers)
         slots = (ctypes.c_void_p * L)(*[_ptr(capture.get(li)) for li in range(L)]) if capture else None
@@ -321,7 +329,7 @@ class BlockKernels:
             layers, L, shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale,
             shape.activation, _ptr(x), x.shape[0], _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
             _ptr(keys), _ptr(k_cache), _ptr(v_cache), k_cache.shape[3],
-            k_cache[0].numel(), slots, torch.get_num_threads(),
+            k_cache[0].numel(), slots, torch.get_num_threads(), _kv_half(k_cache, v_cache),
         )
         self._decoder(ctypes.byref(args))
 

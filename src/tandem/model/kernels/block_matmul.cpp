@@ -24,7 +24,8 @@
 //   q8 packed: [groups][blocks][8][LANES][4] bytes, signed on AVX2, biased by +128 (unsigned,
 //              as vpdpbusd's first operand must be) on the VNNI variants, whose integer sums then
 //              subtract 128 * sum(q_x) exactly.
-//   scales:    d (and m) as [groups][blocks][LANES] floats.
+//   scales:    d (and m) as [groups][blocks][LANES] fp16 (GGUF stores them as fp16 too, so a
+//              step reads the GGUF's own bytes), widened to fp32 in registers.
 //
 // Determinism: every output element is computed by one thread, block by block in the same order,
 // from the same quantized activation row, whatever the number of rows, the row tile or the
@@ -72,6 +73,7 @@ inline vi vhigh_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4),
 inline vi vdot_u8s8(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 inline vf vloadf(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vloadh(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline vf vsplatf(float f) { return _mm512_set1_ps(f); }
 inline vf vzerof() { return _mm512_setzero_ps(); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -111,6 +113,7 @@ inline vi vlow_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)
 inline vi vhigh_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline vf vloadf(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vloadh(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vf vsplatf(float f) { return _mm256_set1_ps(f); }
 inline vf vzerof() { return _mm256_setzero_ps(); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -166,8 +169,8 @@ inline __m256i tail_mask(int64_t n) {
 
 struct Weights {          // one linear layer, as BlockKernels.pack lays it out (see the header)
   const uint8_t* packed;  // grouped blocks
-  const float* pd;        // [groups][blocks][LANES]
-  const float* pm;        // [groups][blocks][LANES] (q4), else null
+  const uint16_t* pd;     // [groups][blocks][LANES] fp16
+  const uint16_t* pm;     // [groups][blocks][LANES] fp16 (q4), else null
   const float* bias;      // [N] or null
   int64_t N, K;
   int q4;
@@ -354,21 +357,22 @@ void group_rows(const Weights& w, int64_t g, const QuantizedRows& xq, int64_t i0
   const int64_t K = w.K, nb = K / kBlock;
   const int64_t block_bytes = kQ4 ? 16 * kLanes : 32 * kLanes;
   const uint8_t* wg = w.packed + g * nb * block_bytes;
-  const float* dg = w.pd + g * nb * kLanes;
-  const float* mg = kQ4 ? w.pm + g * nb * kLanes : nullptr;
+  const uint16_t* dg = w.pd + g * nb * kLanes;
+  const uint16_t* mg = kQ4 ? w.pm + g * nb * kLanes : nullptr;
   vf acc[R];
   for (int i = 0; i < R; ++i) acc[i] = vzerof();
   BlockRegs<kQ4> regs;
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(wg + (b + 4) * block_bytes), _MM_HINT_T0);
     regs.load(wg + b * block_bytes);
-    const vf dv = vloadf(dg + b * kLanes);
+    const vf dv = vloadh(dg + b * kLanes);
+    const vf mv = kQ4 ? vloadh(mg + b * kLanes) : vzerof();
     for (int i = 0; i < R; ++i) {
       const int64_t row = i0 + i;
       vi s = regs.dot(xq.q.data() + row * K + b * kBlock);
       if constexpr (!kQ4 && kQ8Bias != 0) s = vsub32(s, vsplat32(kQ8Bias * xq.sum[row * nb + b]));
       acc[i] = vfma(vcvt(s), vmul(dv, vsplatf(xq.scale[row * nb + b])), acc[i]);
-      if constexpr (kQ4) acc[i] = vfma(vloadf(mg + b * kLanes), vsplatf(xq.scaled_sum[row * nb + b]), acc[i]);
+      if constexpr (kQ4) acc[i] = vfma(mv, vsplatf(xq.scaled_sum[row * nb + b]), acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) vstoref(out + i * kLanes, acc[i]);
@@ -449,8 +453,8 @@ struct AttendArgs {
   const int64_t* keys;
   const float* cos;        // [P, D] rope tables (sin sign-folded: rot(x) = roll(x, D/2) * sin)
   const float* sin;
-  float* kcache;           // [S, Hkv, M, D]
-  float* vcache;
+  void* kcache;            // [S, Hkv, M, D] float32, or fp16 when kv_half
+  void* vcache;
   int64_t M;               // slots per sequence row
   int64_t window;          // sliding window (0 = full attention)
   float scale;
@@ -459,6 +463,7 @@ struct AttendArgs {
   const float* q_norm;     // [D] RMSNorm of each q head before RoPE (Qwen3, Gemma 3), or null
   const float* k_norm;     // [D] the same for k heads
   float norm_eps;
+  int kv_half;             // the cache holds fp16
 };
 
 void rope_into(const float* x, const float* c, const float* s, int64_t D, float* out) {
@@ -466,12 +471,32 @@ void rope_into(const float* x, const float* c, const float* s, int64_t D, float*
   for (int64_t j = 0; j < D; ++j) out[j] = x[j] * c[j] + x[(j + h) % D] * s[j];
 }
 
-inline float dot_d(const float* a, const float* b, int64_t D) {
+// The KV cache holds float32 or fp16 (uint16_t bits) rows; reads widen to float32, writes round
+// to nearest even (as torch's .half() does, so the general path writes the same bits).
+inline vf vload_kv(const float* p) { return vloadf(p); }
+inline vf vload_kv(const uint16_t* p) { return vloadh(p); }
+inline __m256 load8_kv(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_kv(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float kv_float(float v) { return v; }
+inline float kv_float(uint16_t v) { return _cvtsh_ss(v); }
+inline void store_kv(const float* src, int64_t D, float* dst) { std::copy(src, src + D, dst); }
+inline void store_kv(const float* src, int64_t D, uint16_t* dst) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  int64_t j = 0;
+  for (; j + 8 <= D; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), kRound));
+  for (; j < D; ++j) dst[j] = _cvtss_sh(src[j], kRound);
+}
+
+template <typename KvT>
+inline float dot_d(const float* a, const KvT* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
   int64_t j = 0;
-  for (; j + 8 <= D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+  for (; j + 8 <= D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), load8_kv(b + j), acc);
   float s = hsum8(acc);
-  for (; j < D; ++j) s += a[j] * b[j];
+  for (; j < D; ++j) s += a[j] * kv_float(b[j]);
   return s;
 }
 
@@ -482,11 +507,18 @@ struct KeyList {
   const int64_t* extra;
   int64_t num_extra;
   int64_t size() const { return range + num_extra; }
+  int64_t end() const { return lo + range; }
   int64_t slot(int64_t i) const { return i < range ? lo + i : extra[i - range]; }
 };
 
-// Sum of 8 lanes as ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order the 4-key
-// reduction below uses too, so a key's score does not depend on which path computed it.
+// Lane j of the result is the sum of s_j's 8 lanes as ((v0 + v1) + (v2 + v3)) + ((v4 + v5) +
+// (v6 + v7)); hsum8_pairwise adds one vector in the same order, so a score does not depend on
+// whether it was reduced alone or with three others.
+inline __m128 hsum8x4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 inline float hsum8_pairwise(__m256 v) {
   const __m256 t = _mm256_hadd_ps(v, v);
   const __m256 u = _mm256_hadd_ps(t, t);
@@ -510,9 +542,6 @@ inline float softmax_in_place(float* scores, int64_t n) {
   return hsum8(total8);
 }
 
-// One (token, head) with head dim DV * LANES: q and the output accumulate in registers (zmm on
-// the AVX-512 variant), scores of consecutive prefix keys four at a time. Every key's score is the
-// same FMA chain over the dims and the same reduction whichever branch computes it.
 inline __m256 fold8(vf v) {
 #if TANDEM_LANES == 16
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -521,104 +550,205 @@ inline __m256 fold8(vf v) {
 #endif
 }
 
-template <int DV>
-void attend_head(const float* qp, const float* K, const float* V, const KeyList& keys, float scale,
-                 float* scores, float* o) {
+// One query of one kv head: its rotated q [D], the keys it reads, its score buffer (at least
+// keys.size() rounded up to 8) and its output [D].
+struct Query {
+  const float* q;
+  KeyList keys;
+  float* scores;
+  float* out;
+};
+
+// NQ queries of one kv head with head dim DV * LANES. A key that all of them read is loaded once
+// for all (the keys [clo, chi) below); the others are read per query. For each query, every
+// score is the same FMA chain over the dims and the same reduction, and the output accumulates
+// the same keys in the same order, as if the query ran alone: results do not depend on which
+// queries share a call.
+template <int DV, int NQ, typename KvT>
+void attend_heads(const Query* qs, const KvT* K, const KvT* V, float scale) {
   constexpr int64_t D = DV * kLanes;
-  vf q[DV];
-  for (int j = 0; j < DV; ++j) q[j] = vloadf(qp + kLanes * j);
-  auto dot = [&](const float* k) {
+  vf q[NQ][DV];
+  int64_t clo = qs[0].keys.lo, chi = qs[0].keys.end();
+  for (int j = 0; j < NQ; ++j) {
+    for (int d = 0; d < DV; ++d) q[j][d] = vloadf(qs[j].q + kLanes * d);
+    clo = std::max(clo, qs[j].keys.lo);
+    chi = std::min(chi, qs[j].keys.end());
+  }
+  chi = std::max(chi, clo);
+  auto dot = [&](int j, const KvT* k) {
     vf s = vzerof();
-    for (int j = 0; j < DV; ++j) s = vfma(q[j], vloadf(k + kLanes * j), s);
+    for (int d = 0; d < DV; ++d) s = vfma(q[j][d], vload_kv(k + kLanes * d), s);
     return fold8(s);
   };
-  const int64_t n = keys.size();
-  int64_t i = 0;
-  for (; i + 4 <= keys.range; i += 4) {
-    const float* k = K + (keys.lo + i) * D;
-    const __m256 s0 = dot(k), s1 = dot(k + D), s2 = dot(k + 2 * D), s3 = dot(k + 3 * D);
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    _mm_storeu_ps(scores + i, _mm_mul_ps(four, _mm_set1_ps(scale)));
+  auto score_one = [&](int j, int64_t slot) { return hsum8_pairwise(dot(j, K + slot * D)) * scale; };
+  for (int j = 0; j < NQ; ++j) {
+    const KeyList& kl = qs[j].keys;
+    for (int64_t s = kl.lo; s < clo; ++s) qs[j].scores[s - kl.lo] = score_one(j, s);
   }
-  for (; i < n; ++i) scores[i] = hsum8_pairwise(dot(K + keys.slot(i) * D)) * scale;
-  const float total = softmax_in_place(scores, n);
-  vf acc[DV];
-  for (int j = 0; j < DV; ++j) acc[j] = vzerof();
-  for (int64_t k = 0; k < n; ++k) {
-    const vf e = vsplatf(scores[k]);
-    const float* v = V + keys.slot(k) * D;
-    for (int j = 0; j < DV; ++j) acc[j] = vfma(e, vloadf(v + kLanes * j), acc[j]);
+  const __m256 none = _mm256_setzero_ps();
+  for (int64_t s = clo; s < chi; ++s) {
+    vf kr[DV];
+    for (int d = 0; d < DV; ++d) kr[d] = vload_kv(K + s * D + kLanes * d);
+    __m256 r[4] = {none, none, none, none};
+    for (int j = 0; j < NQ; ++j) {
+      vf a = vzerof();
+      for (int d = 0; d < DV; ++d) a = vfma(q[j][d], kr[d], a);
+      r[j] = fold8(a);
+    }
+    alignas(16) float four[4];
+    _mm_store_ps(four, _mm_mul_ps(hsum8x4(r[0], r[1], r[2], r[3]), _mm_set1_ps(scale)));
+    for (int j = 0; j < NQ; ++j) qs[j].scores[s - qs[j].keys.lo] = four[j];
   }
-  const vf inv = vsplatf(1.f / total);
-  for (int j = 0; j < DV; ++j) vstoref(o + kLanes * j, vmul(acc[j], inv));
+  float total[NQ];
+  for (int j = 0; j < NQ; ++j) {
+    const KeyList& kl = qs[j].keys;
+    for (int64_t s = std::max(chi, kl.lo); s < kl.end(); ++s) qs[j].scores[s - kl.lo] = score_one(j, s);
+    for (int64_t i = kl.range; i < kl.size(); ++i) qs[j].scores[i] = score_one(j, kl.extra[i - kl.range]);
+    total[j] = softmax_in_place(qs[j].scores, kl.size());
+  }
+  vf acc[NQ][DV];
+  auto accumulate = [&](int j, int64_t i, const KvT* v) {
+    const vf e = vsplatf(qs[j].scores[i]);
+    for (int d = 0; d < DV; ++d) acc[j][d] = vfma(e, vload_kv(v + kLanes * d), acc[j][d]);
+  };
+  for (int j = 0; j < NQ; ++j) {
+    for (int d = 0; d < DV; ++d) acc[j][d] = vzerof();
+    const KeyList& kl = qs[j].keys;
+    for (int64_t s = kl.lo; s < clo; ++s) accumulate(j, s - kl.lo, V + s * D);
+  }
+  for (int64_t s = clo; s < chi; ++s) {
+    vf vr[DV];
+    for (int d = 0; d < DV; ++d) vr[d] = vload_kv(V + s * D + kLanes * d);
+    for (int j = 0; j < NQ; ++j) {
+      const vf e = vsplatf(qs[j].scores[s - qs[j].keys.lo]);
+      for (int d = 0; d < DV; ++d) acc[j][d] = vfma(e, vr[d], acc[j][d]);
+    }
+  }
+  for (int j = 0; j < NQ; ++j) {
+    const KeyList& kl = qs[j].keys;
+    for (int64_t s = std::max(chi, kl.lo); s < kl.end(); ++s) accumulate(j, s - kl.lo, V + s * D);
+    for (int64_t i = kl.range; i < kl.size(); ++i) accumulate(j, i, V + kl.extra[i - kl.range] * D);
+    const vf inv = vsplatf(1.f / total[j]);
+    for (int d = 0; d < DV; ++d) vstoref(qs[j].out + kLanes * d, vmul(acc[j][d], inv));
+  }
 }
 
-// Any head dim: the same steps with the output accumulated in memory.
-void attend_head_any(const float* q, const float* K, const float* V, int64_t D, const KeyList& keys, float scale,
-                     float* scores, float* o) {
+// Any head dim, one query: the same steps with the output accumulated in memory.
+template <typename KvT>
+void attend_head_any(const Query& query, const KvT* K, const KvT* V, int64_t D, float scale) {
+  const KeyList& keys = query.keys;
+  float* scores = query.scores;
+  float* o = query.out;
   const int64_t n = keys.size();
-  for (int64_t i = 0; i < n; ++i) scores[i] = dot_d(q, K + keys.slot(i) * D, D) * scale;
+  for (int64_t i = 0; i < n; ++i) scores[i] = dot_d(query.q, K + keys.slot(i) * D, D) * scale;
   const float total = softmax_in_place(scores, n);
   std::fill(o, o + D, 0.f);
   for (int64_t i = 0; i < n; ++i) {
-    const float* v = V + keys.slot(i) * D;
-    for (int64_t k = 0; k < D; ++k) o[k] += scores[i] * v[k];
+    const KvT* v = V + keys.slot(i) * D;
+    for (int64_t k = 0; k < D; ++k) o[k] += scores[i] * kv_float(v[k]);
   }
   const float inv = 1.f / total;
   for (int64_t k = 0; k < D; ++k) o[k] *= inv;
 }
 
-void attend(const AttendArgs& a) {
+// How many queries share one pass over a kv head's keys, at most: as many as keep their q (and
+// then their outputs) in registers.
+constexpr int max_shared_queries(int64_t D) {
+  return D / kLanes <= 4 ? 4 : D / kLanes <= 8 ? 2 : 1;
+}
+
+template <int DV, typename KvT>
+void attend_block(const Query* qs, int n, const KvT* K, const KvT* V, float scale) {
+  switch (n) {
+    case 1: attend_heads<DV, 1>(qs, K, V, scale); break;
+    case 2: if constexpr (max_shared_queries(DV * kLanes) >= 2) attend_heads<DV, 2>(qs, K, V, scale); break;
+    case 3: if constexpr (max_shared_queries(DV * kLanes) >= 3) attend_heads<DV, 3>(qs, K, V, scale); break;
+    default: if constexpr (max_shared_queries(DV * kLanes) >= 4) attend_heads<DV, 4>(qs, K, V, scale); break;
+  }
+}
+
+template <typename KvT>
+void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
   const int64_t T = a.T, Hq = a.Hq, Hkv = a.Hkv, D = a.D, M = a.M;
   const int64_t width = (Hq + 2 * Hkv) * D;
   // Phase 1: rotate k and write k, v of every token (later tokens of a chain attend to them).
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = a.qkv + t * width;
-    const int64_t p = a.pos ? a.pos[t] : a.slot[t];
-    const float* c = a.cos + p * D;
-    const float* s = a.sin + p * D;
-    std::vector<float> normed(a.k_norm ? D : 0);
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t at = ((a.seq[t] * Hkv + h) * M + a.slot[t]) * D;
-      const float* k = row + (Hq + h) * D;
-      if (a.k_norm) {
-        rms_norm_into(k, D, a.k_norm, a.norm_eps, normed.data());
-        k = normed.data();
+  {
+    std::vector<float> normed(D), rotated(D);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = a.qkv + t * width;
+      const int64_t p = a.pos ? a.pos[t] : a.slot[t];
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t at = ((a.seq[t] * Hkv + h) * M + a.slot[t]) * D;
+        const float* k = row + (Hq + h) * D;
+        if (a.k_norm) {
+          rms_norm_into(k, D, a.k_norm, a.norm_eps, normed.data());
+          k = normed.data();
+        }
+        rope_into(k, a.cos + p * D, a.sin + p * D, D, rotated.data());
+        store_kv(rotated.data(), D, kcache + at);
+        store_kv(row + (Hq + Hkv + h) * D, D, vcache + at);
       }
-      rope_into(k, c, s, D, a.kcache + at);
-      std::copy(row + (Hq + Hkv + h) * D, row + (Hq + Hkv + h + 1) * D, a.vcache + at);
     }
   }
-  // Phase 2: each (token, head) attends over its own keys.
+  // Phase 2: the (token, head) queries in blocks of up to `share` queries of one sequence's kv
+  // head, which read that head's keys once per block. The blocks are small enough to give every
+  // thread work; how the queries are blocked changes no arithmetic (see attend_heads).
   const int64_t group = Hq / Hkv;
+  const int fast = D == 64 || D == 128 || D == 256;
+  const int64_t share = fast ? std::clamp<int64_t>(T * Hq / (2 * a.threads), 1, max_shared_queries(D)) : 1;
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // [first, end) into `order`
+  std::vector<int64_t> order;                      // t * Hq + h
+  order.reserve(T * Hq);
+  for (int64_t t0 = 0, t1 = 0; t0 < T; t0 = t1) {
+    while (t1 < T && a.seq[t1] == a.seq[t0]) ++t1;
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const int64_t first = static_cast<int64_t>(order.size());
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) order.push_back(t * Hq + h);
+      const int64_t end = static_cast<int64_t>(order.size());
+      for (int64_t b = first; b < end; b += share) blocks.emplace_back(b, std::min(end, b + share));
+    }
+  }
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
 #pragma omp parallel num_threads(a.threads)
   {
-    std::vector<float> q(D), normed(D), scores;
+    std::vector<float> rotated(4 * D), normed(D);
+    std::vector<float> scores[4];
+    Query qs[4];
 #pragma omp for schedule(static)
-    for (int64_t th = 0; th < T * Hq; ++th) {
-      const int64_t t = th / Hq, h = th % Hq, kvh = h / group;
-      const int64_t p = a.pos ? a.pos[t] : a.slot[t];
-      const int64_t hi = a.hi ? a.hi[t] : a.slot[t] + 1;
-      const int64_t lo = a.window > 0 && p + 1 > a.window ? p + 1 - a.window : 0;
-      KeyList keys{lo, std::max<int64_t>(hi - lo, 0), a.key_off ? a.keys + a.key_off[t] : nullptr,
-                   a.key_off ? a.key_off[t + 1] - a.key_off[t] : 0};
-      const float* qh = a.qkv + t * width + h * D;
-      if (a.q_norm) {
-        rms_norm_into(qh, D, a.q_norm, a.norm_eps, normed.data());
-        qh = normed.data();
+    for (int64_t bi = 0; bi < num_blocks; ++bi) {
+      const auto [first, end] = blocks[bi];
+      const int n = static_cast<int>(end - first);
+      const int64_t t_first = order[first] / Hq, kvh = (order[first] % Hq) / group;
+      for (int j = 0; j < n; ++j) {
+        const int64_t t = order[first + j] / Hq, h = order[first + j] % Hq;
+        const int64_t p = a.pos ? a.pos[t] : a.slot[t];
+        const int64_t hi = a.hi ? a.hi[t] : a.slot[t] + 1;
+        const int64_t lo = a.window > 0 && p + 1 > a.window ? p + 1 - a.window : 0;
+        KeyList keys{lo, std::max<int64_t>(hi - lo, 0), a.key_off ? a.keys + a.key_off[t] : nullptr,
+                     a.key_off ? a.key_off[t + 1] - a.key_off[t] : 0};
+        const float* qh = a.qkv + t * width + h * D;
+        if (a.q_norm) {
+          rms_norm_into(qh, D, a.q_norm, a.norm_eps, normed.data());
+          qh = normed.data();
+        }
+        rope_into(qh, a.cos + p * D, a.sin + p * D, D, rotated.data() + j * D);
+        scores[j].resize((keys.size() + 7) / 8 * 8);
+        qs[j] = {rotated.data() + j * D, keys, scores[j].data(), a.out + t * Hq * D + h * D};
       }
-      rope_into(qh, a.cos + p * D, a.sin + p * D, D, q.data());
-      const float* K = a.kcache + (a.seq[t] * Hkv + kvh) * M * D;
-      const float* V = a.vcache + (a.seq[t] * Hkv + kvh) * M * D;
-      float* o = a.out + t * Hq * D + h * D;
-      scores.resize((keys.size() + 7) / 8 * 8);
-      if (D == 64) attend_head<64 / kLanes>(q.data(), K, V, keys, a.scale, scores.data(), o);
-      else if (D == 128) attend_head<128 / kLanes>(q.data(), K, V, keys, a.scale, scores.data(), o);
-      else if (D == 256) attend_head<256 / kLanes>(q.data(), K, V, keys, a.scale, scores.data(), o);
-      else attend_head_any(q.data(), K, V, D, keys, a.scale, scores.data(), o);
+      const KvT* K = kcache + (a.seq[t_first] * Hkv + kvh) * M * D;
+      const KvT* V = vcache + (a.seq[t_first] * Hkv + kvh) * M * D;
+      if (D == 64) attend_block<64 / kLanes>(qs, n, K, V, a.scale);
+      else if (D == 128) attend_block<128 / kLanes>(qs, n, K, V, a.scale);
+      else if (D == 256) attend_block<256 / kLanes>(qs, n, K, V, a.scale);
+      else attend_head_any(qs[0], K, V, D, a.scale);
     }
   }
+}
+
+void attend(const AttendArgs& a) {
+  if (a.kv_half) attend_typed(a, static_cast<uint16_t*>(a.kcache), static_cast<uint16_t*>(a.vcache));
+  else attend_typed(a, static_cast<float*>(a.kcache), static_cast<float*>(a.vcache));
 }
 
 // ---- the decoder stack in one call ----------------------------------------------------------
@@ -653,12 +783,13 @@ struct DecoderArgs {
   const int64_t* hi;
   const int64_t* key_off;
   const int64_t* keys;
-  float* kcache;           // [L, S, Hkv, M, D]
-  float* vcache;
+  void* kcache;            // [L, S, Hkv, M, D] float32, or fp16 when kv_half
+  void* vcache;
   int64_t M;
   int64_t layer_stride;    // elements between two layers' caches (S * Hkv * M * D)
   float* const* capture;   // [num_layers]: where to copy layer l's output [T, H], or null
   int threads;
+  int kv_half;
 };
 
 // x[i] += rms_norm(y[i]) * w for each of n rows of width H (a sandwich norm before the residual).
@@ -688,14 +819,15 @@ void add_projection(const Weights* w, const float* in, int64_t T, int64_t in_str
 void decoder_forward(const DecoderArgs& a) {
   const int64_t T = a.T, H = a.H;
   std::vector<float> qkv, attn(T * a.Hq * a.D), gate_up, scratch;
+  const int64_t layer_bytes = a.layer_stride * (a.kv_half ? 2 : 4);
   for (int64_t l = 0; l < a.num_layers; ++l) {
     const DecoderLayer& layer = a.layers[l];
     qkv.resize(T * layer.qkv->N);
     gate_up.resize(T * layer.gate_up->N);
     linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, qkv.data(), a.threads});
     attend({qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
-            a.kcache + l * a.layer_stride, a.vcache + l * a.layer_stride, a.M, layer.window, a.scale, attn.data(),
-            a.threads, layer.q_norm, layer.k_norm, a.eps});
+            static_cast<char*>(a.kcache) + l * layer_bytes, static_cast<char*>(a.vcache) + l * layer_bytes, a.M,
+            layer.window, a.scale, attn.data(), a.threads, layer.q_norm, layer.k_norm, a.eps, a.kv_half});
     add_projection(layer.o, attn.data(), T, a.Hq * a.D, kIdentity, layer.post_attn_norm, a.eps, a.x, H, scratch,
                    a.threads);
     linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, gate_up.data(), a.threads});
