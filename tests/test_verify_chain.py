@@ -8,6 +8,7 @@ import torch
 from tandem.config import SamplingParams
 from tandem.sampling import NonFiniteLogitsError, make_generator, processed_probs
 from tandem.verify.chain import verify_chain, verify_chain_from_uniforms
+from tandem.verify.grading import grade_greedy_chain
 
 V = 6
 
@@ -263,3 +264,26 @@ def test_degenerate_top_p_and_temperature_keep_a_valid_distribution():
     tiny = SamplingParams(temperature=5e-324)
     assert tiny.greedy
     assert torch.equal(processed_probs(logits, tiny), torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_greedy_chain_fast_path_commits_what_the_dense_rule_commits():
+    """grading.grade_greedy_chain (greedy, no penalty: no probability rows) against verify_chain
+    over processed_probs' one-hot rows, on logits full of ties and drafts right and wrong."""
+    gen = torch.Generator().manual_seed(3)
+    outcomes = set()
+    for _ in range(300):
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        logits = torch.randint(0, 3, (n + 1, 6), generator=gen).float()  # ties in most rows
+        best = logits.argmax(-1)
+        drafted = [int(best[i]) if torch.rand(1, generator=gen) < 0.7 else int(torch.randint(0, 6, (1,), generator=gen))
+                   for i in range(n)]
+        probs = processed_probs(logits, SamplingParams(temperature=0.0))
+        dense = verify_chain(probs[None], torch.tensor([drafted]), [None], torch.tensor([n]), [None], [True])
+        accepted = int(dense.num_accepted[0])
+        assert grade_greedy_chain(logits, drafted) == (dense.committed(0), list(range(accepted)))
+        outcomes.add((n, accepted))
+    assert len(outcomes) > 12  # every acceptance length was seen, not only all-or-nothing
+    bad = torch.zeros(3, 6)
+    bad[2, 1] = float("nan")
+    with pytest.raises(NonFiniteLogitsError):
+        grade_greedy_chain(bad, [0, 0])

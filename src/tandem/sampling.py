@@ -7,6 +7,7 @@ top-k, top-p, min-p, then renormalise, all in fp32.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.config import SamplingParams
@@ -14,6 +15,22 @@ from tandem.config import SamplingParams
 
 class NonFiniteLogitsError(RuntimeError):
     """The target produced NaN/inf logits for a request: it is ended, never turned into token ids."""
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim, the first index on ties (as torch.argmax). CPU float rows go
+    through NumPy: over 49k-wide logit rows its argmax measured 15x faster than torch 2.13's
+    (17 us against 260 us for 3 rows), which is most of a round's bookkeeping."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.asarray(x.detach().numpy().argmax(-1), dtype=np.int64))
+    return x.argmax(-1)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """No NaN or inf in x. The sum is finite exactly when every element is, unless finite
+    elements overflow it, which the elementwise check then settles (a sum costs about a
+    twentieth of torch.isfinite over logits)."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -36,13 +53,13 @@ def processed_probs(
     Greedy (temperature 0) gives the one-hot vector of the argmax.
     """
     logits = logits.float()
-    if not torch.isfinite(logits).all(dim=-1).all():
+    if not all_finite(logits):
         raise NonFiniteLogitsError("the model produced NaN or inf logits")
     if seen_ids is not None:
         logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     if params.greedy:
         probs = torch.zeros_like(logits)
-        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs.scatter_(-1, row_argmax(logits).unsqueeze(-1).to(logits.device), 1.0)
         return probs
     logits = logits / params.temperature
     vocab = logits.shape[-1]

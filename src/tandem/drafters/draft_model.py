@@ -19,7 +19,7 @@ from tandem.drafters.heads.io import shipped_head_dir
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.runner import ModelRunner, SeqInput
-from tandem.sampling import NonFiniteLogitsError, processed_probs, sample
+from tandem.sampling import NonFiniteLogitsError, processed_probs, row_argmax, sample
 from tandem.types import Draft
 
 # TargetInfo carries no context length or batch size: the draft cache holds the engine's default
@@ -210,7 +210,7 @@ class DraftModelDrafter(Drafter):
             tokens = [-1] * len(rows)
             plain = [j for j, i in enumerate(rows) if batch[i].params.greedy and seen[i] is None]
             if plain:  # the common case: one argmax for every plain-greedy request
-                for j, token in zip(plain, logits[plain].argmax(-1).tolist()):
+                for j, token in zip(plain, row_argmax(logits[plain]).tolist()):
                     tokens[j] = token
             for j, i in enumerate(rows):
                 if tokens[j] >= 0:
@@ -221,7 +221,7 @@ class DraftModelDrafter(Drafter):
                 except NonFiniteLogitsError:
                     continue  # a broken draft row ends this draft; the target decides alone
                 if params.greedy:  # one-hot q: the argmax after the repetition penalty
-                    tokens[j] = int(q[0].argmax())
+                    tokens[j] = int(row_argmax(q[0]))
                 else:
                     tokens[j] = int(sample(q, batch[i].generator)[0])
                     q_rows[i].append(F.pad(q, (0, self.target.vocab_size - q.shape[-1])))

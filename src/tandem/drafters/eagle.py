@@ -26,6 +26,7 @@ from tandem.drafters.base import DraftInput, DraftOutcome, register
 from tandem.drafters.heads.block import RowCache
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
 from tandem.drafters.suffix import SuffixDrafter
+from tandem.sampling import all_finite
 from tandem.types import Draft
 
 
@@ -113,7 +114,7 @@ class EagleDrafter(HeadDrafter):
         frontier, feats, frontier_scores = [-1], root_feat, torch.zeros(1, device=self.device)
         for d in range(1, depth + 1):
             logits = head.head_logits(feats, self.parts).float()  # [F, V']
-            if not torch.isfinite(logits).all():
+            if not all_finite(logits):
                 break  # a broken head row: verify what the tree has so far
             k = min(topk, logits.shape[-1])
             logp, ids = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [F, k]

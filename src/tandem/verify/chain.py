@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tandem.sampling import NonFiniteLogitsError
+from tandem.sampling import NonFiniteLogitsError, row_argmax
 from tandem.types import VerifyResult
 
 # Per request the [>= k, V] draft distributions q_1..q_k, or None for a deterministic draft; or one
@@ -118,7 +118,7 @@ def _greedy_argmax(
     argmax = torch.zeros(target_probs.shape[:2], dtype=torch.long, device=target_probs.device)
     for row, (k, is_greedy) in enumerate(zip(num_drafts.tolist(), greedy.tolist())):
         if is_greedy:
-            argmax[row, : k + 1] = target_probs[row, : k + 1].argmax(-1)
+            argmax[row, : k + 1] = row_argmax(target_probs[row, : k + 1]).to(argmax.device)
     return argmax
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.sampling import NonFiniteLogitsError
+from tandem.sampling import NonFiniteLogitsError, row_argmax
 from tandem.verify.chain import _sample_inverse_cdf
 
 
@@ -69,7 +69,7 @@ def verify_tree(
         if total <= 0:
             raise ValueError("target probabilities have no mass")
         if greedy:
-            best = int(p.argmax())
+            best = int(row_argmax(p))
             nxt = next((c for c in children[node + 1] if draft_tokens[c] == best), None)
             if nxt is None:
                 return TreeResult(path, [draft_tokens[i] for i in path] + [best])

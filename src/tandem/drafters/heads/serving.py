@@ -14,7 +14,7 @@ import torch
 from tandem.config import SpecConfig
 from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
 from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir
-from tandem.sampling import NonFiniteLogitsError, processed_probs, sample
+from tandem.sampling import NonFiniteLogitsError, all_finite, processed_probs, row_argmax, sample
 
 
 def serving_kernels(head: torch.nn.Module) -> torch.nn.Module:
@@ -89,8 +89,9 @@ class HeadDrafter(Drafter):
         qs: list[torch.Tensor | None] = [None] * len(inputs)
         plain = [r for r, inp in enumerate(inputs) if inp.params.greedy and seen[r] is None]
         if plain:
-            finite = torch.isfinite(logits[plain]).all(-1).tolist()
-            for r, token, ok in zip(plain, logits[plain].argmax(-1).tolist(), finite):
+            rows = logits[plain]
+            finite = [all_finite(row) for row in rows]
+            for r, token, ok in zip(plain, row_argmax(rows).tolist(), finite):
                 tokens[r] = token if ok else -1
         for r, inp in enumerate(inputs):
             if r in plain:
@@ -100,7 +101,7 @@ class HeadDrafter(Drafter):
             except NonFiniteLogitsError:
                 continue  # a broken head row ends this draft; the target decides alone
             if inp.params.greedy:
-                tokens[r] = int(q[0].argmax())
+                tokens[r] = int(row_argmax(q[0]))
             else:
                 tokens[r] = int(sample(q, inp.generator)[0])
                 qs[r] = self.full_vocab_q(q[0])
