@@ -266,30 +266,31 @@ def test_models_with_qk_norm_or_sandwich_norms_take_the_fused_path():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", *WIDE_HEADS])
-def test_prefill_rows_do_not_depend_on_the_batch_and_decoding_stays_bitwise(arch, kv_dtype):
-    """Prompts flagged prefill take the general path: each prompt's numbers are the same alone or
-    batched with others (of other lengths), the same as an unflagged forward of those tokens
-    (one set of kernels), and a verification forward after such a prefill still reproduces
-    one-token decoding bit for bit."""
+def test_prompts_of_any_length_take_the_fused_path_and_decoding_stays_bitwise(arch, kv_dtype, monkeypatch):
+    """Prompts run on the fused path too, split into pieces of FUSED_ROW_BUDGET rows: each
+    prompt's numbers are the same alone, batched with others (of other lengths) or in one piece,
+    and verification after such a prompt reproduces one-token decoding bit for bit."""
+    import tandem.model.runner as runner_module
+
     model = block_model_named(arch)
     long, short = list(range(10, 50)), list(range(60, 72))
     alone = runner_for(model, kv_dtype=kv_dtype)
-    ref = alone.forward([SeqInput(alone.cache.allocate(), long, logits="all", prefill=True)], hidden_layers=(1,))
+    ref = alone.forward([SeqInput(alone.cache.allocate(), long, logits="all")], hidden_layers=(1,))
+    assert ref.logits.shape[0] == len(long)
+    monkeypatch.setattr(runner_module, "FUSED_ROW_BUDGET", 16)  # pieces of 16, 16 and 8 rows
     batched = runner_for(model, kv_dtype=kv_dtype)
     seq, other = batched.cache.allocate(), batched.cache.allocate()
-    out = batched.forward([SeqInput(other, short, prefill=True), SeqInput(seq, long, logits="all", prefill=True)],
-                          hidden_layers=(1,))
-    assert torch.equal(out.rows(1), ref.logits) and torch.equal(out.hidden[1][1], ref.hidden[1][0])
-    decode_kernels = runner_for(model, kv_dtype=kv_dtype)
-    unflagged = decode_kernels.forward([SeqInput(decode_kernels.cache.allocate(), long, logits="all")])
-    assert torch.equal(unflagged.logits, ref.logits)
+    out = batched.forward([SeqInput(other, short), SeqInput(seq, long, logits=[3, 20, 39])], hidden_layers=(1,))
+    assert out.offsets == [0, 1, 4]
+    assert torch.equal(out.rows(1), ref.logits[[3, 20, 39]]) and torch.equal(out.hidden[1][1], ref.hidden[1][0])
+    assert batched.cache.lengths[seq] == len(long) and batched.cache.lengths[other] == len(short)
 
     new = [40, 41, 42, 43, 44]
     step = torch.cat([batched.forward([SeqInput(seq, [t])]).logits for t in new])
     verify = runner_for(model, kv_dtype=kv_dtype)
     s1 = verify.cache.allocate()
-    verify.forward([SeqInput(s1, long, prefill=True)])
-    out = verify.forward([SeqInput(s1, new, logits="all")], token_by_token=True)
+    verify.forward([SeqInput(s1, long)])
+    out = verify.forward([SeqInput(s1, new, logits="all")])
     assert torch.equal(out.logits, step)
 
 

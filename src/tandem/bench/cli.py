@@ -63,6 +63,13 @@ def add_bench_parser(sub) -> None:
     merge.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
     merge.set_defaults(func=_run_spec_merge)
 
+    results = kinds.add_parser("results", help="rebuild results/README.md from the results/**/*.json files: per file "
+                                               "its command, machine and headline tables")
+    results.add_argument("--results-dir", default="results", help="directory searched for *.json reports")
+    results.add_argument("--out", default="results/README.md", help="the page to write")
+    results.add_argument("--check", action="store_true", help="write nothing; exit 1 if --out is not up to date")
+    results.set_defaults(func=_run_results)
+
     from tandem.bench.serve import add_serve_bench_parser
 
     add_serve_bench_parser(kinds)
@@ -94,3 +101,9 @@ def _run_spec_merge(args: argparse.Namespace) -> int:
     from tandem.bench.spec_merge import merge_command
 
     return merge_command(args)
+
+
+def _run_results(args: argparse.Namespace) -> int:
+    from tandem.bench.results_doc import results_command
+
+    return results_command(args)

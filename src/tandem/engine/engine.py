@@ -124,7 +124,7 @@ class Engine:
 
     def _prefill(self, batch: list[Request]) -> list[StepUpdate]:
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
-        out = self.runner.forward([SeqInput(r.seq, r.prompt_ids, logits="last", prefill=True) for r in batch], needs)
+        out = self.runner.forward([SeqInput(r.seq, r.prompt_ids, logits="last") for r in batch], needs)
         updates = []
         for b, req in enumerate(batch):
             try:

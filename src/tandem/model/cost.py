@@ -25,7 +25,7 @@ def forward_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES, context: int
     runner = ModelRunner(loaded.model, cache)
     seq = cache.allocate()
     vocab = loaded.config.vocab_size
-    runner.forward([SeqInput(seq, [(100 + i % 1000) % vocab for i in range(context)], prefill=True)])
+    runner.forward([SeqInput(seq, [(100 + i % 1000) % vocab for i in range(context)])])
 
     def forward(n: int) -> None:
         runner.forward([SeqInput(seq, [(200 + i) % vocab for i in range(n)], logits="all")], token_by_token=True)

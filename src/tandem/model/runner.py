@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.model.fused import FUSED_MAX_TOKENS, FusedDecoder
+from tandem.model.fused import FUSED_ROW_BUDGET, FusedDecoder
 from tandem.model.kernels import TreeKeys
 from tandem.model.kv_cache import KVCache
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
@@ -25,10 +25,7 @@ class SeqInput:
     index of t's parent among the new tokens (-1 = hangs off the committed prefix), parents
     before children. positions default to consecutive positions after the committed prefix
     (trees: prefix_len + depth, so siblings share a position). logits: which new-token
-    indices need logits ("last", "all", or a list). prefill: the tokens are a prompt's, which
-    every run computes the same way, so they take the general path (one batched attention call
-    per sequence) rather than the fused per-token one, whatever their count. Decoded and
-    verified tokens never set it: their numbers must match each other bit for bit.
+    indices need logits ("last", "all", or a list).
     """
 
     seq: int
@@ -36,7 +33,6 @@ class SeqInput:
     positions: list[int] | None = None
     parents: list[int] | None = None
     logits: str | list[int] = "last"
-    prefill: bool = False
 
     def logit_indices(self) -> list[int]:
         if self.logits == "last":
@@ -106,11 +102,9 @@ class ModelRunner:
         for inp in inputs:
             if inp.parents is not None and inp.positions is None:
                 inp.positions = [self.cache.lengths[inp.seq] + len(path) - 1 for path in tree_paths(inp.parents)]
-        # Verification (token_by_token) of any length takes the fused path: a verified token must
-        # match decoding bit for bit. Other forwards take it for short chains.
-        if self.fused is not None and all(not i.prefill and (i.positions is None or i.parents is not None) for i in inputs) and (
-            token_by_token or all(i.parents is None and len(i.token_ids) <= FUSED_MAX_TOKENS for i in inputs)
-        ):
+        # On the fused path every forward (prompts, decoding, verification) is token by token:
+        # one set of numbers for every token, whatever else shares the call.
+        if self.fused is not None and all(i.positions is None or i.parents is not None for i in inputs):
             return self._forward_fused(inputs, hidden_layers)
         model, cache = self.model, self.cache
         B = len(inputs)
@@ -141,7 +135,32 @@ class ModelRunner:
         return ForwardOutput(model.logits(selected), offsets, hidden)
 
     def _forward_fused(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
-        """Chains and trees through the fused kernels: flat rows, one attention per token (see fused.py)."""
+        """Chains and trees through the fused kernels (see fused.py), at most FUSED_ROW_BUDGET
+        rows per native call: a longer forward runs its long chains (prompts) piece by piece,
+        which computes the same numbers (every token reads exactly its own keys)."""
+        if sum(len(i.token_ids) for i in inputs) <= FUSED_ROW_BUDGET:
+            return self._fused_call(inputs, hidden_layers)
+        logits: list[list[torch.Tensor]] = [[] for _ in inputs]
+        hidden: dict[int, list[list[torch.Tensor]]] = {}
+        for b, inp in enumerate(inputs):
+            n = len(inp.token_ids)
+            step = n if inp.parents is not None else FUSED_ROW_BUDGET
+            wanted = inp.logit_indices()
+            for a in range(0, n, step):
+                piece = SeqInput(inp.seq, inp.token_ids[a : a + step], inp.positions, inp.parents,
+                                 [i - a for i in wanted if a <= i < a + step])
+                out = self._fused_call([piece], hidden_layers)
+                logits[b].append(out.logits)
+                for li, rows in out.hidden.items():
+                    hidden.setdefault(li, [[] for _ in inputs])[b].append(rows[0])
+        offsets = [0]
+        for rows in logits:
+            offsets.append(offsets[-1] + sum(r.shape[0] for r in rows))
+        return ForwardOutput(torch.cat([r for rows in logits for r in rows]), offsets,
+                             {li: [torch.cat(parts) for parts in per_seq] for li, per_seq in hidden.items()})
+
+    def _fused_call(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
+        """One native call over flat rows, one attention per token."""
         cache, model = self.cache, self.model
         tokens, seqs, slots, rows, offsets, bounds = [], [], [], [], [0], [0]
         trees = any(i.parents is not None for i in inputs)
@@ -180,7 +199,7 @@ class ModelRunner:
         if L in hidden_layers:
             by_layer[L] = model.norm(x)
         hidden = {li: [h[bounds[b] : bounds[b + 1]] for b in range(len(inputs))] for li, h in by_layer.items()}
-        selected = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows)]
+        selected = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, dtype=torch.long)]
         return ForwardOutput(model.logits(selected), offsets, hidden)
 
     def _plan(self, inputs: list[SeqInput], starts: list[int], T: int, token_by_token: bool):
