@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from tandem.model.cost import fastest_of, forward_cost_curve
 from tandem.model.kernels import block_kernels, cpu_flags, cpu_name, kernel_description
+from tandem.model.quant import BlockQ4Linear, BlockQ8Linear
 
 CURVE = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 STEP_CONTEXT = 300
@@ -64,10 +65,17 @@ def gguf_step_bytes(path) -> int:
 
 
 def model_weight_bytes(model: torch.nn.Module, skip: tuple[str, ...] = ("embed",)) -> int:
-    """Bytes one decode step must read: every weight except the embedding table (a lookup)."""
-    total = 0
+    """Bytes one decode step must read: every weight except the embedding table (a lookup);
+    block-quantized linears count as the kernels read them (packed codes, fp16 scales)."""
+    kernels = block_kernels()
+    total, counted = 0, set()
+    for name, mod in model.named_modules():
+        if kernels is not None and isinstance(mod, (BlockQ4Linear, BlockQ8Linear)):
+            packed = mod.blocks(kernels)
+            total += packed.nbytes + (0 if packed.bias is None else packed.bias.numel() * 4)
+            counted.update(f"{name}.{b}" for b, _ in mod.named_buffers())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not any(name == s or name.startswith(s + ".") for s in skip):
+        if name not in counted and not any(name == s or name.startswith(s + ".") for s in skip):
             total += t.numel() * t.element_size()
     return total
 
