@@ -16,7 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -24,9 +24,6 @@ from tandem.bench.kernel_report import ISA_FLAGS
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.model.kernels import cpu_flags, cpu_name, kernel_description
 from tandem.types import SpecStats
-
-if TYPE_CHECKING:
-    from tandem.bench.spec_hf import Baselines
 
 PLAIN = "plain"
 OVERALL = "overall"
@@ -263,6 +260,15 @@ class Run:
 class RunConfig:
     name: str
     run: Callable[[list[int], int, int], Run]  # (prompt ids, max new tokens, seed) -> Run
+
+
+class Baselines(Protocol):
+    """The other engine's configurations the suite runs beside tandem's (bench/spec_hf.py builds
+    transformers' own)."""
+
+    def configs(self, temperature: float) -> list[RunConfig]: ...
+
+    def describe(self) -> dict: ...
 
 
 # ---- the configurations ------------------------------------------------------------------------

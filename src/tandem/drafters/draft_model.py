@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tandem.config import SpecConfig
 from tandem.drafters.base import Drafter, DraftInput, TargetInfo, register
-from tandem.drafters.heads.distill import is_head_dir, materialize_draft_model
+from tandem.drafters.heads.io import is_head_dir, materialize_draft_model
 from tandem.drafters.heads.io import shipped_head_dir
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel, load_model

@@ -8,12 +8,17 @@ signature of the target is stored so a head loaded against another target is ref
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
+from tandem.paths import cache_root
 
 # Import the head modules so they register (one line per method).
 from tandem.drafters.heads import distill, eagle, eagle3, medusa, mtp  # noqa: F401,E402
@@ -171,3 +176,52 @@ def load_head(path: str | Path, target: TargetParts, device: str | torch.device 
     _attach_target(head, target, signature)
     head.record = record
     return head.to(device).eval()
+
+
+# ---- serving a head directory: the model directory made on first use ------------------------------
+
+
+def is_head_dir(path: str | Path) -> bool:
+    """Whether `path` is a saved draft head (head.json) rather than a model directory."""
+    p = Path(path)
+    return (p / CONFIG_FILE).is_file() and not (p / "config.json").is_file()
+
+
+def materialize_draft_model(head_dir: str | Path, target) -> Path:
+    """The loadable model directory of a draft_model head directory that holds the trained layers
+    only (as tandem ships them): the target's embedding (and LM head) are copied in from the
+    serving target (`target`: a drafters.base.TargetInfo) and the export is cached under
+    $TANDEM_CACHE_DIR/drafters, keyed by the head's weights, so it is made once.
+
+    The head's target signature is checked first: a head trained for another model is refused.
+    """
+    record = read_head_config(head_dir)
+    if record["method"] != "draft_model":
+        raise ValueError(f"{head_dir} holds a {record['method']} head; the draft_model drafter serves draft_model "
+                         f"heads or model directories (use --speculative-algorithm {record['method']})")
+    digest = hashlib.sha256(Path(head_dir, WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
+    out = cache_root() / "drafters" / f"{target.model_name or 'target'}-draft_model-{digest}"
+    if (out / "config.json").is_file():
+        return out
+    parts = target.parts
+    if parts is None:
+        raise ValueError("serving a draft_model head needs the target's parts (TargetInfo.of a loaded target)")
+    cfg = parts.config
+    with torch.no_grad():
+        embed = parts.embed(torch.arange(cfg.vocab_size)).float().cpu()
+        # An untied LM head is read back through the serving head: lm_head(I) = W^T.
+        lm_head = embed if cfg.tie_word_embeddings else parts.lm_head(torch.eye(cfg.hidden_size)).float().cpu().T
+    parts = dataclasses.replace(parts, embed_weight=embed, lm_head_weight=lm_head.contiguous())
+    head = load_head(head_dir, parts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        head.export(tmp, target.model_name, target.tokenizer, torch.float32)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process made it first
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
