@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-import tandem.server.profile as profile_module
+import tandem.scheduler.profile as profile_module
 from conftest import tiny_loaded
 from tandem.scheduler.cost_model import CostCurve
-from tandem.server.profile import PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for, load_profile
+from tandem.scheduler.profile import PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for, load_profile
 
 
 def test_monotone_takes_the_running_minimum_from_the_right():
@@ -57,7 +57,7 @@ def test_the_profile_key_names_the_kernels_and_the_cpu(monkeypatch):
     from dataclasses import replace
 
     from tandem.model import kernels
-    from tandem.server import profile
+    from tandem.scheduler import profile
 
     _, loaded = tiny_loaded("llama")
     block = replace(loaded, quantization="native", kernels="block")

@@ -1,4 +1,4 @@
-"""`tandem` command line: generate, serve, bench, audit (train/advise arrive with their issues)."""
+"""`tandem` command line: generate, serve, bench, audit, train, advise."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 
+from tandem.config import SpecConfig
 from tandem.flags import add_model_args, add_sampling_args, add_spec_args, sampling_from_args
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
@@ -19,12 +20,7 @@ def llm_from_args(args):
     return LLM(
         args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
         max_model_len=args.max_model_len, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-        speculative_algorithm=getattr(args, "speculative_algorithm", None),
-        speculative_num_draft_tokens=getattr(args, "speculative_num_draft_tokens", 4),
-        speculative_draft_model_path=getattr(args, "speculative_draft_model_path", None),
-        speculative_num_steps=getattr(args, "speculative_num_steps", None),
-        speculative_eagle_topk=getattr(args, "speculative_eagle_topk", 1),
-        speculative_tree_lookup=getattr(args, "speculative_tree_lookup", True),
+        spec=SpecConfig.from_prefixed(vars(args)),
     )
 
 

@@ -7,7 +7,9 @@ code that finds them, never written back into these records.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
@@ -106,6 +108,19 @@ class SpecConfig:
             raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.eagle_topk}")
         if self.policy not in SPEC_POLICIES:
             raise ValueError(f"speculative policy must be one of {SPEC_POLICIES}, got {self.policy!r}")
+
+    @classmethod
+    def from_prefixed(cls, values: Mapping[str, Any], prefix: str = "speculative_") -> SpecConfig:
+        """The settings among `values` named `prefix + field` (LLM's speculative_* keywords,
+        argparse's --speculative-* flags); other keys are ignored, absent fields keep their
+        defaults. One place maps flags to fields, so a new setting is one new field."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k[len(prefix):]: v for k, v in values.items()
+                      if k.startswith(prefix) and k[len(prefix):] in names})
+
+    @classmethod
+    def prefixed_names(cls, prefix: str = "speculative_") -> frozenset[str]:
+        return frozenset(prefix + f.name for f in fields(cls))
 
     @property
     def tree(self) -> bool:

@@ -13,6 +13,7 @@ import logging
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig, ServerConfig, SpecConfig
@@ -56,15 +57,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         algorithm = DEFAULT_DRAFTERS.get(args.model)
     elif algorithm.lower() in NO_SPECULATION:
         algorithm = None
-    spec = SpecConfig(
-        algorithm=algorithm,
-        num_draft_tokens=args.speculative_num_draft_tokens,
-        draft_model_path=args.speculative_draft_model_path,
-        num_steps=args.speculative_num_steps,
-        eagle_topk=args.speculative_eagle_topk,
-        tree_lookup=args.speculative_tree_lookup,
-        policy=args.speculative_policy,
-    )
+    spec = dataclasses.replace(SpecConfig.from_prefixed(vars(args)), algorithm=algorithm)
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_running_requests, threads=args.threads, spec=spec,
@@ -86,7 +79,7 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
     from tandem.server.app import build_app
     from tandem.server.async_engine import AsyncEngine
     from tandem.server.metrics import ServerMetrics
-    from tandem.server.profile import cost_curve_for
+    from tandem.scheduler.profile import cost_curve_for
 
     threads = configure_threads(engine_config.threads)
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, quantization=engine_config.quantization,

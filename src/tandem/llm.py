@@ -12,6 +12,7 @@ import torch
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engine.engine import Engine
 from tandem.model.loader import DEFAULT_MODEL, load_model
+from tandem.scheduler.profile import cost_curve_for
 from tandem.types import RequestOutput
 
 log = logging.getLogger("tandem")
@@ -44,22 +45,20 @@ class LLM:
         max_model_len: int = 2048,
         max_num_seqs: int = 8,
         threads: int | None = None,
-        speculative_algorithm: str | None = None,
-        speculative_num_draft_tokens: int = 4,
-        speculative_draft_model_path: str | None = None,
-        speculative_num_steps: int | None = None,
-        speculative_eagle_topk: int = 1,
-        speculative_tree_lookup: bool = True,
         kv_cache_dtype: str = "auto",
+        spec: SpecConfig | None = None,
+        **speculative,
     ) -> None:
-        spec = SpecConfig(
-            algorithm=speculative_algorithm,
-            num_draft_tokens=speculative_num_draft_tokens,
-            draft_model_path=speculative_draft_model_path,
-            num_steps=speculative_num_steps,
-            eagle_topk=speculative_eagle_topk,
-            tree_lookup=speculative_tree_lookup,
-        )
+        """spec: the speculative decoding settings whole; or, as vLLM/SGLang spell them, any of
+        SpecConfig's fields as speculative_* keywords (speculative_algorithm="ngram",
+        speculative_num_draft_tokens=4, speculative_policy="adaptive", ...)."""
+        unknown = sorted(set(speculative) - SpecConfig.prefixed_names())
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}; speculative settings are "
+                            f"{sorted(SpecConfig.prefixed_names())}")
+        if spec is not None and speculative:
+            raise ValueError("pass spec=SpecConfig(...) or speculative_* keywords, not both")
+        spec = spec or SpecConfig.from_prefixed(speculative)
         self.config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -71,10 +70,13 @@ class LLM:
             spec=spec,
             kv_cache_dtype=kv_cache_dtype,
         )
-        configure_threads(threads)
+        threads = configure_threads(threads)
         self.loaded = load_model(model, dtype=dtype, quantization=quantization, device=device,
                                  kv_cache_dtype=kv_cache_dtype)
-        self.engine = Engine(self.loaded, self.config)
+        # The adaptive policy needs the target's cost curve: measured once per model, kernels,
+        # KV dtype, machine and thread count, then read from the cache (as tandem serve does).
+        curve = cost_curve_for(self.loaded, device, threads) if spec.policy == "adaptive" else None
+        self.engine = Engine(self.loaded, self.config, cost_curve=curve)
         # Loading leaves millions of long-lived objects; keep the cyclic GC from rescanning them
         # in the middle of decoding (measured 100+ ms pauses).
         gc.collect()

@@ -60,6 +60,12 @@ class Method:
     num_steps: int | None = None
     tree_lookup: bool = True
 
+    def spec_config(self, num_draft_tokens: int) -> SpecConfig:
+        """The engine settings of this method, drafting `num_draft_tokens` unless it names its own."""
+        return SpecConfig(algorithm=self.algorithm, num_draft_tokens=self.num_draft_tokens or num_draft_tokens,
+                          draft_model_path=self.draft_path, eagle_topk=self.eagle_topk, num_steps=self.num_steps,
+                          tree_lookup=self.tree_lookup)
+
     @property
     def label(self) -> str:
         name = self.algorithm
@@ -278,12 +284,7 @@ def _tandem_config(name: str, loaded, method: Method | None, num_draft_tokens: i
                    temperature: float) -> RunConfig:
     from tandem.llm import LLM
 
-    if method is None:
-        spec = SpecConfig(num_draft_tokens=num_draft_tokens)
-    else:
-        spec = SpecConfig(algorithm=method.algorithm, num_draft_tokens=method.num_draft_tokens or num_draft_tokens,
-                          draft_model_path=method.draft_path, eagle_topk=method.eagle_topk,
-                          num_steps=method.num_steps, tree_lookup=method.tree_lookup)
+    spec = SpecConfig(num_draft_tokens=num_draft_tokens) if method is None else method.spec_config(num_draft_tokens)
     llm = LLM.from_loaded(loaded, EngineConfig(model=loaded.name, max_model_len=max_model_len, max_num_seqs=1, spec=spec))
     probe = None
     if llm.engine.drafter is not None:

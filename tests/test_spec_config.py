@@ -1,0 +1,44 @@
+"""SpecConfig travels whole: one mapping from speculative_* keywords and --speculative-* flags."""
+
+import argparse
+
+import pytest
+
+from tandem.cli import build_parser
+from tandem.config import SpecConfig
+from tandem.launch_server import add_serve_args, configs_from_args
+from tandem.llm import LLM
+
+
+def test_prefixed_values_map_onto_every_field_and_ignore_the_rest():
+    spec = SpecConfig.from_prefixed({"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 6,
+                                     "speculative_policy": "adaptive", "speculative_ngram_max": 5,
+                                     "model": "x", "speculative_unknown": 1})
+    assert spec == SpecConfig(algorithm="ngram", num_draft_tokens=6, policy="adaptive", ngram_max=5)
+    assert SpecConfig.from_prefixed({}) == SpecConfig()
+    assert "speculative_eagle_topk" in SpecConfig.prefixed_names()
+
+
+def test_generate_flags_become_one_spec_config():
+    args = build_parser().parse_args(["generate", "--speculative-algorithm", "eagle3", "--speculative-eagle-topk", "4",
+                                      "--speculative-num-steps", "3", "--no-speculative-tree-lookup"])
+    assert SpecConfig.from_prefixed(vars(args)) == SpecConfig(algorithm="eagle3", eagle_topk=4, num_steps=3,
+                                                              tree_lookup=False)
+
+
+def test_serve_flags_carry_the_policy_and_the_default_drafter():
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    engine, _ = configs_from_args(p.parse_args(["--speculative-policy", "fixed", "--speculative-num-draft-tokens", "3"]))
+    assert engine.spec.policy == "fixed" and engine.spec.num_draft_tokens == 3
+    assert engine.spec.algorithm is not None  # the bundled model's default drafter
+    engine, _ = configs_from_args(p.parse_args(["--speculative-algorithm", "none"]))
+    assert engine.spec.algorithm is None
+
+
+def test_llm_refuses_unknown_or_doubled_speculative_settings():
+    # both checks run before any model is loaded
+    with pytest.raises(TypeError, match="speculative_num_draft_token"):
+        LLM(speculative_num_draft_token=4)
+    with pytest.raises(ValueError, match="not both"):
+        LLM(spec=SpecConfig(algorithm="ngram"), speculative_policy="adaptive")
