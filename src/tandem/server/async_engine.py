@@ -1,10 +1,11 @@
 """The synchronous Engine behind an asyncio server: one background thread owns every torch call.
 
-The event loop sends commands (add, abort, stop) through a queue; the engine thread applies them
-between steps, runs `Engine.step` while there is work, and hands each step's updates back to the
-loop in one `call_soon_threadsafe`. A call to the API (n choices of several prompts) is one
-`Generation`: an async iterator of (choice index, Delta) that streaming and non-streaming
-responses both drain.
+The event loop sends typed commands (`AddRequest`, `AbortRequest`, `Stop`: the `Command` union)
+through a queue; the engine thread applies them between steps, runs `Engine.step` while there is
+work, and hands each step's updates back to the loop in one `call_soon_threadsafe`. A call to the
+API (n choices of several prompts) is one `Generation`: an async iterator of (choice index, Delta)
+that streaming and non-streaming responses both drain; it tells its `AsyncEngine` when a choice
+ends (`finish`) and which to abort (`abort`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from tandem.config import SamplingParams
-from tandem.engine.engine import Engine
+from tandem.engine.engine import Engine, StepUpdate
 from tandem.server.metrics import ServerMetrics
 from tandem.types import RequestOutput
 
@@ -78,7 +79,7 @@ class Generation:
             self._open -= 1
         return item
 
-    def _deliver(self, index: int, delta: Delta) -> None:
+    def deliver(self, index: int, delta: Delta) -> None:
         """On the event loop: record latencies, then queue the delta for the consumer."""
         choice = self.choices[index]
         if choice.done:
@@ -101,8 +102,7 @@ class Generation:
             choice.last_token = now
         if delta.finish_reason is not None:
             choice.done = True
-            self._owner._release(1)
-            metrics.record_finished(delta.finish_reason, delta.output, now - choice.arrival)
+            self._owner.finish(delta.finish_reason, delta.output, now - choice.arrival)
         self._queue.put_nowait((index, delta))
 
     def abort(self) -> None:
@@ -110,11 +110,38 @@ class Generation:
         for choice in self.choices:
             if not choice.done:
                 choice.done = True
-                self._owner._release(1)
-                self._owner.metrics.record_finished("abort", None, time.perf_counter() - choice.arrival)
-                self._owner._commands.put(("abort", choice.request_id))
+                self._owner.finish("abort", None, time.perf_counter() - choice.arrival)
+                self._owner.abort(choice.request_id)
         self._open = 0
         self._queue.put_nowait(None)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Start one choice: prompt_ids under params; its deltas go to generation's choice_index."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generation: Generation
+    choice_index: int
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """End one choice whose client went away; frees its cache rows."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Drain for shutdown: finish what runs until deadline (a perf_counter time), abort the rest."""
+
+    deadline: float
+
+
+Command = AddRequest | AbortRequest | Stop
 
 
 class AsyncEngine:
@@ -125,7 +152,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.capacity = engine.config.max_num_seqs + max_queued
         self.in_flight = 0
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._targets: dict[str, tuple[Generation, int]] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -157,19 +184,25 @@ class AsyncEngine:
         gen = Generation(self, ids)
         self.in_flight += len(prompts)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        for i, (rid, ids_, sp) in enumerate(zip(ids, prompts, params)):
-            self._commands.put(("add", rid, ids_, sp, gen, i))
+        for i, (rid, prompt_ids, sp) in enumerate(zip(ids, prompts, params)):
+            self._commands.put(AddRequest(rid, prompt_ids, sp, gen, i))
         return gen
 
-    def _release(self, n: int) -> None:
-        self.in_flight -= n
+    def finish(self, reason: str, output: RequestOutput | None, elapsed_s: float) -> None:
+        """One choice has ended (finished or aborted): free its place and record it."""
+        self.in_flight -= 1
+        self.metrics.record_finished(reason, output, elapsed_s)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine thread to end one choice (its client went away); a no-op once it ended."""
+        self._commands.put(AbortRequest(request_id))
 
     async def stop(self, timeout_s: float) -> None:
         """Take no new requests; let running ones finish for up to timeout_s, abort the rest."""
         self._accepting = False
         if self._thread is None:
             return
-        self._commands.put(("stop", time.perf_counter() + timeout_s))
+        self._commands.put(Stop(time.perf_counter() + timeout_s))
         await asyncio.to_thread(self._thread.join)
 
     # ---- engine thread --------------------------------------------------------------------------
@@ -192,51 +225,69 @@ class AsyncEngine:
                 log.exception("engine step failed; ending the requests in flight")
                 self._abort_all("error", "the engine failed while running this request; see the server log")
                 continue
-            out = []
-            for u in updates:
-                target = self._targets.get(u.request.request_id)
-                if target is None:
-                    continue
-                reason = u.request.finish_reason
-                delta = Delta(u.new_text, u.new_token_ids, reason, u.request.output() if reason else None)
-                if reason == "error":
-                    delta.error = "the model produced NaN or inf logits for this request; it was ended"
-                if reason:
-                    del self._targets[u.request.request_id]
-                out.append((target, delta))
+            out = self._deltas(updates)
             self.metrics.record_step(engine)
             if out:
                 self._loop.call_soon_threadsafe(_dispatch, out)
 
+    def _deltas(self, updates: list[StepUpdate]) -> list[tuple[tuple[Generation, int], Delta]]:
+        """One step's updates as (target, Delta), forgetting the targets that finished."""
+        out = []
+        for u in updates:
+            target = self._targets.get(u.request.request_id)
+            if target is None:
+                continue
+            reason = u.request.finish_reason
+            delta = Delta(u.new_text, u.new_token_ids, reason, u.request.output() if reason else None)
+            if reason == "error":
+                delta.error = "the model produced NaN or inf logits for this request; it was ended"
+            if reason:
+                del self._targets[u.request.request_id]
+            out.append((target, delta))
+        return out
+
     def _apply_commands(self, block: bool) -> float | None:
-        """Apply queued commands; returns a stop deadline if one arrived."""
+        """Apply queued commands in order; returns the last stop deadline that arrived, if any."""
         stop_at = None
         try:
             cmd = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return None
         while True:
-            kind = cmd[0]
-            if kind == "add":
-                _, rid, prompt_ids, params, gen, index = cmd
-                try:
-                    self.engine.add_request(prompt_ids, params, request_id=rid)
-                    self._targets[rid] = (gen, index)
-                except ValueError as err:
-                    self._loop.call_soon_threadsafe(
-                        _dispatch, [((gen, index), Delta("", [], "error", error=str(err)))]
-                    )
-            elif kind == "abort":
-                if self._targets.pop(cmd[1], None) is not None:
-                    self.engine.abort(cmd[1])
-            elif kind == "stop":
-                stop_at = cmd[1]
+            deadline = self._apply(cmd)
+            if deadline is not None:
+                stop_at = deadline
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
         self.metrics.record_step(self.engine)
         return stop_at
+
+    def _apply(self, cmd: Command) -> float | None:
+        """Apply one command; returns its deadline if it is a Stop."""
+        match cmd:
+            case AddRequest():
+                self._add(cmd)
+            case AbortRequest():
+                self._abort(cmd)
+            case Stop():
+                return cmd.deadline
+            case _:  # only this module makes commands; never stop the engine thread over one
+                log.error("engine thread ignored an unknown command %r", cmd)
+        return None
+
+    def _add(self, cmd: AddRequest) -> None:
+        target = (cmd.generation, cmd.choice_index)
+        try:
+            self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id)
+            self._targets[cmd.request_id] = target
+        except ValueError as err:
+            self._loop.call_soon_threadsafe(_dispatch, [(target, Delta("", [], "error", error=str(err)))])
+
+    def _abort(self, cmd: AbortRequest) -> None:
+        if self._targets.pop(cmd.request_id, None) is not None:
+            self.engine.abort(cmd.request_id)
 
     def _abort_all(self, reason: str, error: str | None = None) -> None:
         out = []
@@ -251,4 +302,4 @@ class AsyncEngine:
 
 def _dispatch(items: list[tuple[tuple[Generation, int], Delta]]) -> None:
     for (gen, index), delta in items:
-        gen._deliver(index, delta)
+        gen.deliver(index, delta)
