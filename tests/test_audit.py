@@ -281,3 +281,82 @@ def test_report_states_binned_tv_bound_and_power():
 def test_greedy_audit_is_token_identity():
     report = run_audit(engine("ngram", k=3), PROMPT, SamplingParams(temperature=0, max_tokens=12))
     assert report.passed and report.checks[0].name == "greedy token identity"
+
+
+# ---- cutting a draft after proposal (docs/algorithms.md, "Cutting a draft") ----------------------
+
+
+@register("test_audit_confident")
+class ConfidentDrafter(Drafter):
+    """Sampled drafts from q = 0.7 p + 0.3 (p's top token): q overweights one token, so a cut
+    that depends on the drawn token shows. Reports an honest confidence per token: the top
+    probability of q_j, fixed before d_j is drawn (it depends on the earlier tokens only)."""
+
+    def propose(self, batch):
+        out = []
+        for inp in batch:
+            ctx, toks, qs = list(inp.token_ids), [], []
+            for _ in range(min(self.spec.num_draft_tokens, inp.max_draft_tokens)):
+                p = _target_q(inp, ctx, mix=1.0)
+                q = 0.7 * p + 0.3 * torch.nn.functional.one_hot(p.argmax(), p.shape[0]).float()
+                toks.append(int(torch.multinomial(q, 1, generator=inp.generator)))
+                qs.append(q)
+                ctx.append(toks[-1])
+            out.append(Draft(toks, probs=torch.stack(qs), confidence=[float(q.max()) for q in qs]))
+        return out
+
+
+def cut_engine(min_survival):
+    return Engine(tiny_loaded("llama")[1], EngineConfig(
+        max_model_len=64, spec=SpecConfig("test_audit_confident", 3, min_survival=min_survival)))
+
+
+def cut_before_first_where(keep_token):
+    """A cut (to plant in the engine's policy) that drops the draft from the first token for
+    which keep_token(position, token, draft) is False."""
+
+    def cut(request_id, draft):
+        for j, token in enumerate(draft.token_ids):
+            if not keep_token(j, token, draft):
+                return draft.truncated(j)
+        return draft
+
+    return cut
+
+
+def test_the_policy_cuts_chains_where_survival_falls_below_the_threshold():
+    policy = cut_engine(0.5).policy
+    d = Draft([1, 2, 3, 4], confidence=[0.9, 0.7, 0.9, 0.9])  # survival 0.9, 0.63, 0.567, 0.51
+    assert policy.cut("r", d).token_ids == [1, 2, 3, 4]
+    assert policy.cut("r", Draft([1, 2, 3], confidence=[0.9, 0.5, 0.99])).token_ids == [1]
+    assert policy.cut("r", Draft([1, 2, 3])).token_ids == [1, 2, 3]  # no confidences: whole
+    tree = Draft([1, 2], parents=[-1, -1], confidence=[0.1, 0.1])
+    assert policy.cut("r", tree) is tree
+    assert cut_engine(0.0).policy.cut("r", Draft([1], confidence=[0.01])).token_ids == [1]
+
+
+def test_audit_passes_a_confidence_cut_of_sampled_drafts():
+    """The cut reads q_j's confidence, fixed before d_j was drawn: lossless, and the audit of the
+    engine with the cut in place passes (while the cut really shortens drafts)."""
+    eng = cut_engine(0.18)  # survival after 3 tokens is 0.17-0.19, depending on d_1 and d_2
+    lengths = {len(r.draft) for r in Auditor(eng, PROMPT, PARAMS, batch=100).run(300)}
+    assert lengths == {2, 3}, lengths  # cut, and where depends on the earlier tokens
+    report = run_audit(eng, PROMPT, PARAMS, rounds=3000, batch=100)
+    assert report.passed, report.render()
+
+
+def test_audit_fails_a_cut_that_reads_the_targets_p_of_the_cut_token():
+    eng = cut_engine(0.0)
+    p1 = processed_probs(target_logits(PROMPT), PARAMS)[0]
+    threshold = float(p1.sort(descending=True).values[1])  # only the top token passes at position 1
+    eng.policy.cut = cut_before_first_where(lambda j, t, d: j > 0 or float(p1[t]) > threshold)
+    report = run_audit(eng, PROMPT, PARAMS, rounds=3000, batch=100)
+    assert failed(report, "position 1 token"), report.render()
+
+
+def test_audit_fails_a_cut_that_reads_the_q_of_a_sampled_token():
+    eng = cut_engine(0.0)
+    # "drop d_j when q_j(d_j) is small": which tokens get verified then depends on the draw
+    eng.policy.cut = cut_before_first_where(lambda j, t, d: float(d.probs[j, t]) >= 0.4)
+    report = run_audit(eng, PROMPT, PARAMS, rounds=3000, batch=100)
+    assert failed(report, "position 1 token"), report.render()

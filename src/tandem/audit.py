@@ -198,7 +198,9 @@ class Auditor:
                     DraftInput(f"audit-{start + i}", self.ctx, len(self.ctx), self.k, self.params, g, self.hidden)
                     for i, g in enumerate(draft_gens)
                 ]
-                drafts = [d.pruned(self.k, self.k) for d in drafter.propose(inputs)]
+                # The engine's cut, as the engine applies it: the audit checks it too.
+                drafts = [self.engine.policy.cut(inp.request_id, d.pruned(self.k, self.k))
+                          for inp, d in zip(inputs, drafter.propose(inputs))]
                 fwd = self.runner.forward([
                     SeqInput(self.rows[i], [self.ctx[-1], *d.token_ids], logits="all",
                              parents=None if d.parents is None else [-1] + [p + 1 for p in d.parents])

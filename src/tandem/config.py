@@ -84,7 +84,9 @@ class SpecConfig:
     gets the suffix drafter's lookup draft grafted on as one more branch (model-free; it wins
     where the answer copies its context: translation, summaries, RAG). policy: "fixed" drafts the
     full length every round; "adaptive" picks each request's length (a tree's depth) per round
-    from the load, the measured cost curve and its acceptance.
+    from the load, the measured cost curve and its acceptance. min_survival: after proposal, a
+    chain whose drafter reports confidences is cut where the product of its confidences falls
+    below this (0: never; SpeculationPolicy.cut).
     """
 
     algorithm: str | None = None
@@ -96,6 +98,7 @@ class SpecConfig:
     eagle_topk: int = 1
     tree_lookup: bool = True
     policy: str = "fixed"
+    min_survival: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -106,6 +109,8 @@ class SpecConfig:
             raise ValueError(f"speculative_num_steps must be >= 1, got {self.num_steps}")
         if self.eagle_topk < 1:
             raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.eagle_topk}")
+        if not 0.0 <= self.min_survival < 1.0:
+            raise ValueError(f"speculative_min_survival must lie in [0, 1), got {self.min_survival}")
         if self.policy not in SPEC_POLICIES:
             raise ValueError(f"speculative policy must be one of {SPEC_POLICIES}, got {self.policy!r}")
 

@@ -38,6 +38,9 @@ def add_spec_args(p: argparse.ArgumentParser,
                         "expanded node and this many nodes expanded per depth")
     p.add_argument("--speculative-tree-lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="trees also get a suffix-lookup branch (copies from the context)")
+    p.add_argument("--speculative-min-survival", type=float, default=0.0,
+                   help="cut a chain where the product of its drafter's confidences falls below this "
+                        "(drafters that report confidences; 0: never)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

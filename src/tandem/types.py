@@ -14,14 +14,21 @@ class Draft:
     token_ids: the K draft tokens. probs: the K processed draft distributions q_i [K, V] the tokens
     were sampled from, or None for deterministic drafts (n-gram, suffix, argmax), which the verifier
     grades with the one-hot rule. parents: parent index of each node (-1 = the last committed
-    token); None means a chain (parent of node i is i - 1).
+    token); None means a chain (parent of node i is i - 1). confidence: per node, the drafter's
+    own estimate of P(node accepted | its parent accepted), or None when it gives none. It must
+    be fixed before the node's token is sampled (a function of the context, the tokens before it
+    and the drafter's state; for a deterministic draft also of the token itself): the policy
+    may cut a draft on it (docs/algorithms.md, "Cutting a draft").
     """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
     parents: list[int] | None = None
+    confidence: list[float] | None = None
 
     def __post_init__(self) -> None:
+        if self.confidence is not None and len(self.confidence) != len(self.token_ids):
+            raise ValueError(f"draft has {len(self.token_ids)} tokens but {len(self.confidence)} confidences")
         if self.probs is not None and self.probs.shape[0] != len(self.token_ids):
             raise ValueError(f"draft has {len(self.token_ids)} tokens but {self.probs.shape[0]} q rows")
         if self.parents is not None and len(self.parents) != len(self.token_ids):
@@ -56,7 +63,8 @@ class Draft:
             return self
         probs = self.probs[:k] if self.probs is not None else None
         parents = self.parents[:k] if self.parents is not None else None
-        return Draft(self.token_ids[:k], probs, parents)
+        confidence = self.confidence[:k] if self.confidence is not None else None
+        return Draft(self.token_ids[:k], probs, parents, confidence)
 
     def with_branch(self, tokens: list[int]) -> "Draft":
         """This deterministic draft as a tree with the chain `tokens` grafted onto its root:
@@ -93,7 +101,8 @@ class Draft:
             return self
         probs = self.probs[keep] if self.probs is not None else None
         parents = [-1 if self.parents[n] < 0 else index[self.parents[n]] for n in keep]
-        return Draft([self.token_ids[n] for n in keep], probs, parents)
+        confidence = [self.confidence[n] for n in keep] if self.confidence is not None else None
+        return Draft([self.token_ids[n] for n in keep], probs, parents, confidence)
 
 
 @dataclass

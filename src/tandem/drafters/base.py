@@ -89,10 +89,15 @@ class Drafter(ABC):
     """Proposes draft tokens; the engine verifies them against the target.
 
     drafts_trees: the drafter can propose trees (SpecConfig.eagle_topk > 1); the others refuse it.
+    cost_per_round: drafting costs about the same whatever the draft's length (a block drafter
+    proposes a whole block in one forward), not an amount per drafted token (autoregressive
+    heads, draft models). The policy prices a round's drafts accordingly.
+    Drafts may carry per-token confidences (Draft.confidence) for the policy's cut.
     """
 
     needs: DrafterNeeds = DrafterNeeds()
     drafts_trees: bool = False
+    cost_per_round: bool = False
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
         name = getattr(self, "method_name", type(self).__name__)

@@ -201,9 +201,10 @@ class Engine:
         t0 = time.perf_counter()
         proposed = self.drafter.propose(inputs) if inputs else []
         for i, inp, draft in zip(rows, inputs, proposed):
-            drafts[i] = draft.pruned(inp.max_draft_tokens, self._cache_room(batch[i]))
+            drafts[i] = self.policy.cut(inp.request_id, draft.pruned(inp.max_draft_tokens, self._cache_room(batch[i])))
         if inputs:
-            self.policy.observe_draft_time(time.perf_counter() - t0, sum(drafts[i].depth for i in rows))
+            units = len(rows) if self.drafter.cost_per_round else sum(drafts[i].depth for i in rows)
+            self.policy.observe_draft_time(time.perf_counter() - t0, units)
         return drafts
 
     def _draft_budget(self, req: Request) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tandem.config import SpecConfig
+from tandem.types import Draft
 from tandem.scheduler.cost_model import CostCurve
 
 # Acceptance a request is assumed to have before it has drafted anything (per position). It must
@@ -104,18 +105,39 @@ class LiveCurve:
 class SpeculationPolicy(ABC):
     """Chooses draft lengths per round; learns from verification outcomes."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_survival: float = 0.0) -> None:
         self.last = Decision(0, (), 1.0)
+        self.min_survival = min_survival
 
     @abstractmethod
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
         """One draft length per slot, each in [0, slot.limit]; 0 turns speculation off for it."""
 
+    def cut(self, request_id: str, draft: Draft) -> Draft:
+        """The part of a proposed chain to verify: a prefix. It may read what was fixed before
+        each token was drawn (the context, the earlier tokens, the drafter's confidences; for a
+        deterministic draft the token itself), past rounds, the load and the cost curve; never
+        this round's target output or verification randomness, and for a sampled draft never the
+        sampled token (docs/algorithms.md, "Cutting a draft"). Trees pass whole.
+
+        The default keeps the longest prefix whose survival, the product of the confidences up
+        to it, stays at or above `min_survival` (SpecConfig; 0 keeps everything)."""
+        if self.min_survival <= 0 or draft.confidence is None or draft.is_tree:
+            return draft
+        survival, keep = 1.0, 0
+        for c in draft.confidence:
+            survival *= c
+            if survival < self.min_survival:
+                break
+            keep += 1
+        return draft.truncated(keep)
+
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A request's draft of `drafted` tokens (a tree: its depth) had its first `accepted` accepted."""
 
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
-        """The drafter spent `seconds` proposing `tokens` tokens (trees: depth levels) for the batch."""
+        """The drafter spent `seconds` proposing `tokens` tokens (trees: depth levels; a drafter
+        whose cost is per round: one per draft) for the batch."""
 
     def observe_round(self, tokens: int, seconds: float) -> None:
         """A verification round over `tokens` (padded) tokens took `seconds`, drafting excluded."""
@@ -128,7 +150,7 @@ class FixedPolicy(SpeculationPolicy):
     """The configured draft length every round (capped by each request's limit)."""
 
     def __init__(self, spec: SpecConfig, curve: CostCurve | None = None) -> None:
-        super().__init__()
+        super().__init__(spec.min_survival)
         self.k = spec.max_draft_len
 
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
@@ -160,7 +182,7 @@ class AdaptivePolicy(SpeculationPolicy):
         prior: float = PRIOR_ACCEPTANCE,
         min_gain: float = MIN_GAIN,
     ) -> None:
-        super().__init__()
+        super().__init__(spec.min_survival)
         if curve is None:
             raise ValueError(
                 "the adaptive speculation policy needs the target's forward cost curve: pass cost_curve= "
