@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -10,6 +11,8 @@ import torch
 from tandem.config import SamplingParams
 from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator
 from tandem.types import RequestOutput, SpecStats
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
 
 
 @dataclass
@@ -41,6 +44,14 @@ class Request:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden_delivered: bool = False
     _generators_elsewhere: dict[torch.device, torch.Generator] = field(default_factory=dict, repr=False)
+    # Incremental detokenisation (`_decode_output`): `_decoded` is the text of
+    # output_ids[:_read_offset]; output_ids[_prefix_offset:_read_offset] decode to `_prefix_text`.
+    # `_full_decode` is None until the first decode tells whether the tokenizer allows it.
+    _decoded: str = field(default="", repr=False)
+    _prefix_offset: int = field(default=0, repr=False)
+    _read_offset: int = field(default=0, repr=False)
+    _prefix_text: str = field(default="", repr=False)
+    _full_decode: bool | None = field(default=None, repr=False)
 
     def generator_on(self, device: str | torch.device) -> torch.Generator:
         """The generator for draws on `device`: the request's own where it lives, else one made
@@ -83,18 +94,46 @@ class Request:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= p.max_tokens:
                 self.finish_reason = "length"
-        if not self.finished or not p.stop or self.finish_reason != "stop":
-            self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        if kept and not p.stop:  # with stop strings `_hit_stop_string` has set the text already
+            self.text = self._decode_output(tokenizer)
         return kept
 
     def _hit_stop_string(self, tokenizer) -> bool:
-        text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        text = self._decode_output(tokenizer)
         # Only the tail can newly contain a stop string; search from a little before the old end.
         lookback = max(len(s) for s in self.params.stop) + 8
         begin = max(0, min(len(self.text), len(text)) - lookback)
         hits = [i for i in (text.find(s, begin) for s in self.params.stop) if i >= 0]
         self.text = text[: min(hits)] if hits else text
         return bool(hits)
+
+    def _decode_output(self, tokenizer) -> str:
+        """`tokenizer.decode(output_ids, skip_special_tokens=True)`, re-decoding only the tokens
+        from the prefix offset on.
+
+        The window from the prefix offset decodes to `_prefix_text` up to the read offset; what
+        the newer tokens add to it is the new text. It is committed (the offsets move up) once it
+        is complete: not ending in an unfinished UTF-8 character and cut after a token the
+        decoder does not merge with what follows (`_splits_after`). Tokenizers without
+        `convert_ids_to_tokens`, or that clean up spaces around punctuation, decode in full.
+        """
+        ids = self.output_ids
+        if self._full_decode is None:
+            self._full_decode = (not callable(getattr(tokenizer, "convert_ids_to_tokens", None))
+                                 or bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)))
+        if self._full_decode:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+        window = tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if not window.startswith(self._prefix_text):  # the decoder merged across the boundary
+            self._full_decode = True
+            return tokenizer.decode(ids, skip_special_tokens=True)
+        new = window[len(self._prefix_text):]
+        if not new or new.endswith("\ufffd") or not _splits_after(tokenizer, ids[-1]):
+            return self._decoded + new
+        self._decoded += new
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        self._prefix_text = tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        return self._decoded
 
     def take_new_text(self) -> str:
         """Text not yet streamed, holding back what may still grow into a stop string or an
@@ -122,3 +161,14 @@ class Request:
             spec=self.stats,
             seconds=time.perf_counter() - self.arrival,
         )
+
+
+def _splits_after(tokenizer, token: int) -> bool:
+    """Whether text decoded up to `token` stays put whatever follows: `token` yields text of its
+    own (a skipped special token does not, and decoders join its neighbours as if it were not
+    there) and is no SentencePiece byte piece (`<0xE2>`: a run of those is decoded as one, so
+    one invalid byte later turns all of them into replacement characters)."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if not isinstance(piece, str) or _BYTE_PIECE.fullmatch(piece):
+        return False
+    return tokenizer.decode([token], skip_special_tokens=True) != ""
