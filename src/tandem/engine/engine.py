@@ -132,56 +132,63 @@ class Engine:
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
-            req.hidden = {layer: h[b] for layer, h in out.hidden.items()}
+            req.pending_hidden.add({layer: h[b] for layer, h in out.hidden.items()})
             updates.append(self._commit(req, [token], RoundCounts(0, 0, 0))[0])
         return updates
 
     def _decode_round(self) -> list[StepUpdate]:
+        """One speculative round for every running request: propose -> verify forward -> grade
+        -> commit -> learn. Each phase is one method below."""
         batch = list(self.running)
         if not batch:
             return []
         drafts = self._propose(batch)
         verify_start = time.perf_counter()
+        out, tokens = self._verify_forward(batch, drafts)
+        updates, outcomes = [], []
+        for b, (req, draft) in enumerate(zip(batch, drafts)):
+            try:
+                committed, path = self._grade(out.rows(b), req, draft)
+            except NonFiniteLogitsError as err:
+                updates.append(self._fail(req, err))
+                continue
+            update, counted = self._commit_round(req, draft, committed, path, {li: h[b] for li, h in out.hidden.items()})
+            updates.append(update)
+            outcomes.append(DraftOutcome(req.request_id, counted.drafted, counted.accepted, update.new_token_ids))
+        self._learn(outcomes, tokens, time.perf_counter() - verify_start)
+        return updates
+
+    def _verify_forward(self, batch: list[Request], drafts: list[Draft]):
+        """One target forward over every request's next token and draft, token by token: each
+        verified token (tree node) sees exactly what plain decoding of its path would. Returns
+        the output and the padded token count the forward covered (the runner pads every
+        sequence to the longest)."""
         inputs = [
             SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all",
                      parents=None if d.parents is None else [-1] + [p + 1 for p in d.parents])
             for r, d in zip(batch, drafts)
         ]
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
-        # Token by token attention: each verified token (tree node) sees exactly what plain
-        # decoding of its path would.
         out = self.runner.forward(inputs, needs, token_by_token=True)
-        updates, outcomes = [], []
-        for b, (req, draft) in enumerate(zip(batch, drafts)):
-            try:
-                tokens, path = self._grade(out.rows(b), req, draft)
-            except NonFiniteLogitsError as err:
-                updates.append(self._fail(req, err))
-                continue
-            accepted = len(path)
-            # Keep the KV of next_token + accepted drafts; the recovered/bonus token is the next input.
-            kept_rows = [0] + [node + 1 for node in path]
-            if draft.is_tree:
-                self.cache.commit_path(req.seq, kept_rows)
-            else:
-                self.cache.truncate(req.seq, self.cache.last_start[req.seq] + 1 + accepted)
-            kept = {layer: h[b][kept_rows] for layer, h in out.hidden.items()}
-            if req.hidden_delivered or not req.hidden:
-                req.hidden = kept
-            else:  # the drafter sat this round out: it must still see these rows
-                req.hidden = {layer: torch.cat([req.hidden[layer], rows]) for layer, rows in kept.items()}
-            req.hidden_delivered = False
-            update, counted = self._commit(req, tokens, RoundCounts.of(draft, accepted))
-            updates.append(update)
-            if self.policy is not None:
-                self.policy.observe(req.request_id, counted.depth, counted.accepted)
-            outcomes.append(DraftOutcome(req.request_id, counted.drafted, counted.accepted, update.new_token_ids))
+        return out, len(batch) * max(len(i.token_ids) for i in inputs)
+
+    def _commit_round(self, req: Request, draft: Draft, committed: list[int], path: list[int],
+                      hidden: dict[int, torch.Tensor]) -> tuple[StepUpdate, RoundCounts]:
+        """Keep the KV and hidden rows of next_token + the accepted drafts (the recovered/bonus
+        token is the next input), then append the committed tokens."""
+        kept_rows = [0] + [node + 1 for node in path]
+        self.cache.keep(req.seq, kept_rows)
+        req.pending_hidden.add({layer: h[kept_rows] for layer, h in hidden.items()})
+        update, counted = self._commit(req, committed, RoundCounts.of(draft, len(path)))
+        if self.policy is not None:
+            self.policy.observe(req.request_id, counted.depth, counted.accepted)
+        return update, counted
+
+    def _learn(self, outcomes: list[DraftOutcome], tokens: int, seconds: float) -> None:
+        """The policy learns the round's verification cost, the drafter what was committed."""
         if self.drafter is not None:
-            # The runner pads every sequence to the longest: the forward covers B * T tokens.
-            padded = len(batch) * max(len(i.token_ids) for i in inputs)
-            self.policy.observe_round(padded, time.perf_counter() - verify_start)
+            self.policy.observe_round(tokens, seconds)
             self.drafter.observe(outcomes)
-        return updates
 
     def _propose(self, batch: list[Request]) -> list[Draft]:
         if self.drafter is None:
@@ -194,9 +201,8 @@ class Engine:
                 rows.append(i)
                 inputs.append(
                     DraftInput(req.request_id, req.context, len(req.prompt_ids), k, req.params,
-                               req.generator_on(self.drafter.sampling_device), req.hidden)
+                               req.generator_on(self.drafter.sampling_device), req.pending_hidden.take())
                 )
-                req.hidden_delivered = True
         drafts = [Draft.empty() for _ in batch]
         t0 = time.perf_counter()
         proposed = self.drafter.propose(inputs) if inputs else []

@@ -15,6 +15,23 @@ from tandem.types import RequestOutput, SpecStats
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
 
 
+class HiddenRows:
+    """The target's hidden states of the tokens a request's drafter has not seen yet: rows are
+    added after every forward and taken when the drafter is next asked for a draft, so rounds
+    the policy gave no draft tokens still reach it."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def add(self, rows: dict[int, torch.Tensor]) -> None:
+        for layer, h in rows.items():
+            self._rows[layer] = torch.cat([self._rows[layer], h]) if layer in self._rows else h
+
+    def take(self) -> dict[int, torch.Tensor]:
+        rows, self._rows = self._rows, {}
+        return rows
+
+
 @dataclass
 class Request:
     """One generation request as the engine tracks it.
@@ -39,10 +56,7 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
-    # Hidden states of the tokens the target processed since the drafter last saw this request
-    # (rows accumulate over rounds the policy gave it no draft tokens).
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    hidden_delivered: bool = False
+    pending_hidden: HiddenRows = field(default_factory=HiddenRows)
     _generators_elsewhere: dict[torch.device, torch.Generator] = field(default_factory=dict, repr=False)
     # Incremental detokenisation (`_decode_output`): `_decoded` is the text of
     # output_ids[:_read_offset]; output_ids[_prefix_offset:_read_offset] decode to `_prefix_text`.

@@ -101,6 +101,15 @@ class KVCache:
             raise ValueError(f"cannot truncate sequence of length {self.lengths[seq]} to {length}")
         self.lengths[seq] = length
 
+    def keep(self, seq: int, rows: list[int]) -> None:
+        """Keep rows `rows` (indices among the last forward's new tokens, in order) as the
+        continuation of the committed prefix and drop the rest: a chain's accepted prefix is a
+        truncation, a tree's accepted path a gather (commit_path)."""
+        if rows == list(range(len(rows))):
+            self.truncate(seq, self.last_start[seq] + len(rows))
+        else:
+            self.commit_path(seq, rows)
+
     def commit_path(self, seq: int, node_indices: list[int]) -> None:
         """Keep the tree nodes `node_indices` (indices among the last forward's new tokens, root
         first) as the contiguous continuation of the committed prefix.
