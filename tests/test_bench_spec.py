@@ -316,10 +316,10 @@ def test_tiny_family_agreement(tiny_dirs):
 
 def test_bench_spec_command_writes_json_and_plots(tiny_dirs, tmp_path, capsys, monkeypatch):
     from tandem.cli import main
-    from tandem.drafters import base
+    from tandem.drafters import registry
 
     # Other test modules register scripted drafters; the default method list is about the real ones.
-    monkeypatch.setattr(base, "_REGISTRY", {k: v for k, v in base._REGISTRY.items() if not k.startswith("test_")})
+    monkeypatch.setattr(registry, "METHODS", {k: v for k, v in registry.METHODS.items() if not k.startswith("test_")})
 
     out_json, plots = tmp_path / "spec.json", tmp_path / "plots"
     rc = main(["bench", "spec", "--model", tiny_dirs["target"], "--limit", "2", "--max-new-tokens", "8",

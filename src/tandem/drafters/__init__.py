@@ -11,7 +11,8 @@ from tandem.drafters.base import (  # noqa: F401
     register,
 )
 
-# One import line per drafting method (each module registers itself).
+# One import line per drafting method: each module registers its drafter, a trained method's
+# head module its head (drafters/registry.py).
 from tandem.drafters import ngram  # noqa: E402,F401
 from tandem.drafters import suffix  # noqa: E402,F401
 from tandem.drafters import draft_model  # noqa: E402,F401
@@ -19,3 +20,8 @@ from tandem.drafters import cross_tokenizer  # noqa: E402,F401
 from tandem.drafters import medusa  # noqa: E402,F401
 from tandem.drafters import eagle  # noqa: E402,F401
 from tandem.drafters import mtp  # noqa: E402,F401
+from tandem.drafters.heads import distill as _draft_model_head  # noqa: E402,F401
+from tandem.drafters.heads import eagle as _eagle_head  # noqa: E402,F401
+from tandem.drafters.heads import eagle3 as _eagle3_head  # noqa: E402,F401
+from tandem.drafters.heads import medusa as _medusa_head  # noqa: E402,F401
+from tandem.drafters.heads import mtp as _mtp_head  # noqa: E402,F401

@@ -1,7 +1,8 @@
 """The Drafter interface and the registry that maps method names to drafter classes.
 
 Adding a drafting method = one file with a `@register("name")` class + one import line in
-`tandem/drafters/__init__.py` + one test file.
+`tandem/drafters/__init__.py` + one test file. Drafters and trained heads share one table of
+methods (drafters/registry.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from tandem.config import SamplingParams, SpecConfig
+from tandem.drafters import registry
 from tandem.types import Draft
 
 
@@ -105,7 +107,7 @@ class Drafter(ABC):
         if spec.num_draft_tokens < 1:
             raise ValueError(f"{name} drafter needs num_draft_tokens >= 1, got {spec.num_draft_tokens}")
         if getattr(spec, "eagle_topk", 1) > 1 and not self.drafts_trees:
-            tree_drafters = ", ".join(n for n, cls in sorted(_REGISTRY.items()) if cls.drafts_trees)
+            tree_drafters = ", ".join(n for n in registry.names("drafter") if registry.lookup(n, "drafter").drafts_trees)
             raise ValueError(
                 f"the {name} drafter drafts chains only: use --speculative-eagle-topk 1, or a tree "
                 f"drafter ({tree_drafters})"
@@ -130,14 +132,11 @@ class Drafter(ABC):
         """The request finished or was aborted: drop its state."""
 
 
-_REGISTRY: dict[str, type[Drafter]] = {}
-
-
 def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
+    """Class decorator: the drafter serving method `name` (drafters/registry.py)."""
+
     def wrap(cls: type[Drafter]) -> type[Drafter]:
-        if name in _REGISTRY:
-            raise ValueError(f"drafter {name!r} registered twice")
-        _REGISTRY[name] = cls
+        registry.add(name, "drafter", cls)
         cls.method_name = name
         return cls
 
@@ -145,12 +144,13 @@ def register(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
 
 
 def available_drafters() -> list[str]:
-    return sorted(_REGISTRY)
+    return registry.names("drafter")
 
 
 def create_drafter(spec: SpecConfig, target: TargetInfo) -> Drafter:
-    if spec.algorithm not in _REGISTRY:
+    cls = registry.lookup(spec.algorithm, "drafter") if spec.algorithm else None
+    if cls is None:
         raise ValueError(
             f"unknown speculative algorithm {spec.algorithm!r}; available: {', '.join(available_drafters())}"
         )
-    return _REGISTRY[spec.algorithm](spec, target)
+    return cls(spec, target)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.drafters import registry
 from tandem.model.arch import ModelConfig
 
 # Rows of target logits materialised at once (49k-vocab fp32 logits: 1024 rows = 200 MB).
@@ -158,16 +159,12 @@ class TrainBatch:
     hidden: dict[int, torch.Tensor]
 
 
-_HEADS: dict[str, type["DraftHead"]] = {}
-
-
 def register_head(name: str) -> Callable[[type["DraftHead"]], type["DraftHead"]]:
-    """Class decorator: the head class trained and served under method `name`."""
+    """Class decorator: the head class trained and served under method `name`, in the same
+    table of methods as the drafters (drafters/registry.py)."""
 
     def wrap(cls: type[DraftHead]) -> type[DraftHead]:
-        if name in _HEADS:
-            raise ValueError(f"draft head {name!r} registered twice")
-        _HEADS[name] = cls
+        registry.add(name, "head", cls)
         cls.method = name
         return cls
 
@@ -175,13 +172,14 @@ def register_head(name: str) -> Callable[[type["DraftHead"]], type["DraftHead"]]
 
 
 def head_class(method: str) -> type["DraftHead"]:
-    if method not in _HEADS:
-        raise ValueError(f"unknown draft-head method {method!r}; available: {', '.join(sorted(_HEADS))}")
-    return _HEADS[method]
+    cls = registry.lookup(method, "head")
+    if cls is None:
+        raise ValueError(f"unknown draft-head method {method!r}; available: {', '.join(head_methods())}")
+    return cls
 
 
 def head_methods() -> list[str]:
-    return sorted(_HEADS)
+    return registry.names("head")
 
 
 class DraftHead(nn.Module):

@@ -20,9 +20,6 @@ import torch
 from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
 from tandem.paths import cache_root
 
-# Import the head modules so they register (one line per method).
-from tandem.drafters.heads import distill, eagle, eagle3, medusa, mtp  # noqa: F401,E402
-
 FORMAT = "tandem-draft-head"
 VERSION = 1
 CONFIG_FILE = "head.json"
