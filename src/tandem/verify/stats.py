@@ -64,7 +64,7 @@ def chi2_sf(statistic: float, dof: int) -> float:
     function Q(dof / 2, x / 2), which torch.special.gammaincc computes.
     """
     try:
-        from scipy.stats import chi2
+        from scipy.stats import chi2  # lazy: scipy is slow to import and only the audit's checks use it
     except ImportError:
         a = torch.tensor(dof / 2, dtype=torch.float64)
         return float(torch.special.gammaincc(a, torch.tensor(statistic / 2, dtype=torch.float64)))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from tandem.drafters.heads.base import (
@@ -144,8 +145,6 @@ class DraftModelHead(DraftHead):
     # ---- export: a model directory the draft_model drafter loads ---------------------------------
 
     def export(self, out_dir, target_name: str, tokenizer, dtype: torch.dtype) -> None:
-        from safetensors.torch import save_file
-
         cfg = self.cfg
         if cfg.activation != "silu" or cfg.embed_scale is not None or cfg.final_logit_softcap:
             raise ValueError(

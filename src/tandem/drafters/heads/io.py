@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
 from tandem.paths import cache_root
@@ -72,8 +73,6 @@ def save_head(head: DraftHead, out_dir: str | Path, target_name: str, extra_reco
     dtype: float tensors are stored in it (bfloat16 halves a shipped file; loading upcasts).
     tokenizer: written alongside for heads exported as standalone models (draft_model).
     """
-    from safetensors.torch import save_file
-
     if not hasattr(head, "target_signature"):
         raise ValueError("save_head needs a head made by build_head or load_head (they record the target)")
     out = Path(out_dir)
@@ -150,8 +149,6 @@ def _check_signature(record: dict, recorded: torch.Tensor, target: TargetParts, 
 
 def load_head(path: str | Path, target: TargetParts, device: str | torch.device = "cpu") -> DraftHead:
     """The head saved at `path`, checked against `target`, in float32 eval mode on `device`."""
-    from safetensors.torch import load_file
-
     record = read_head_config(path)
     where = str(path)
     check_target(record, target, where)

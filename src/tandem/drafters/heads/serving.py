@@ -14,7 +14,16 @@ import torch
 from tandem.config import SpecConfig
 from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
 from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir
-from tandem.sampling import NonFiniteLogitsError, all_finite, processed_probs, row_argmax, sample
+from tandem.model.kernels import block_kernels
+from tandem.model.quant import BLOCK, BlockQ8Linear
+from tandem.sampling import (
+    NonFiniteLogitsError,
+    all_finite,
+    processed_probs,
+    row_argmax,
+    sample,
+)
+from tandem.types import Draft
 
 
 def serving_kernels(head: torch.nn.Module) -> torch.nn.Module:
@@ -25,9 +34,6 @@ def serving_kernels(head: torch.nn.Module) -> torch.nn.Module:
     ~8 ms vs ~2 ms per draft token here). Drafts only propose: their rounding never reaches the
     output, which the verifier decides.
     """
-    from tandem.model.kernels import block_kernels
-    from tandem.model.quant import BLOCK, BlockQ8Linear
-
     if block_kernels() is None or any(p.device.type != "cpu" for p in head.parameters()):
         return head
     for parent in list(head.modules()):
@@ -120,8 +126,6 @@ class HeadDrafter(Drafter):
 
 def make_draft(tokens: list[int], qs: list[torch.Tensor | None]):
     """A Draft from a chain of tokens and their q rows (all None for deterministic drafts)."""
-    from tandem.types import Draft
-
     if not tokens or qs[0] is None:
         return Draft(tokens)
     return Draft(tokens, torch.stack(qs))

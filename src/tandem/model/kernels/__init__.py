@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,8 +252,6 @@ class BlockKernels:
     def int8_peak(self, threads: int | None = None, seconds: float = 0.3) -> float:
         """Multiply-adds per second of this variant's int8 instruction (vpdpbusd, or
         vpmaddubsw + vpmaddwd on AVX2) in a register-only loop on `threads` threads: best of 5."""
-        import time
-
         threads = threads or torch.get_num_threads()
         iters = 1 << 16
         while True:  # size the loop to about `seconds`
