@@ -146,8 +146,29 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, plan: AttentionPlan, cache: LayerCache) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
-        h = self.attn_norm(x)
-        qkv = self.qkv(h).to(x.dtype)
+        q, k, v = self._qkv(self.attn_norm(x), plan)
+        # The cache may be wider than the activations (fp32 cache with bf16 activations: this
+        # CPU has no native bf16, and fp32 attention measured ~5x faster than bf16 here), or an
+        # fp16 store that attention on a CPU reads back as fp32.
+        self._write_cache(k.to(cache.k.dtype), v.to(cache.k.dtype), plan, cache)
+        attn_dtype = torch.float32 if cache.k.dtype == torch.float16 and cache.k.device.type == "cpu" else cache.k.dtype
+        attn = self._attend(q.transpose(1, 2).to(attn_dtype), plan, cache)  # [B, H, T, D]
+        attn = self.o(attn.transpose(1, 2).reshape(B, T, self.q_size).to(x.dtype)).to(x.dtype)
+        if cfg.sandwich_norms:
+            attn = self.post_attn_norm(attn)
+        x = x + attn
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        act = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
+        mlp = self.down(act * up).to(x.dtype)
+        if cfg.sandwich_norms:
+            mlp = self.post_mlp_norm(mlp)
+        return x + mlp
+
+    def _qkv(self, h: torch.Tensor, plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k rotated (after their norms, if any) and v: [B, T, heads, D] each."""
+        cfg = self.cfg
+        B, T, _ = h.shape
+        qkv = self.qkv(h).to(h.dtype)
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = plan.cos[self.rope], plan.sin[self.rope]  # [B, T, 1, D]
         if cfg.qk_norm:
@@ -158,60 +179,51 @@ class DecoderLayer(nn.Module):
             # q and k rotated together: one set of rope ops per layer instead of two.
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             q, k = _rope(qk.view(B, T, heads + kv_heads, hd), cos, sin).split([heads, kv_heads], dim=2)
-        v = v.view(B, T, kv_heads, hd)
-        # The cache may be wider than the activations (fp32 cache with bf16 activations: this
-        # CPU has no native bf16, and fp32 attention measured ~5x faster than bf16 here), or an
-        # fp16 store that attention on a CPU reads back as fp32.
-        k, v = k.to(cache.k.dtype), v.to(cache.k.dtype)
-        attn_dtype = torch.float32 if cache.k.dtype == torch.float16 and cache.k.device.type == "cpu" else cache.k.dtype
+        return q, k, v.view(B, T, kv_heads, hd)
+
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan, cache: LayerCache) -> None:
+        """The new tokens' k and v into their cache slots."""
+        B, T = k.shape[:2]
         if plan.write_fast is not None:
             seq, start = plan.write_fast
             cache.k[seq, :, start : start + T] = k[0].transpose(0, 1)
             cache.v[seq, :, start : start + T] = v[0].transpose(0, 1)
-        else:
-            valid = plan.valid
-            kf = k[valid] if valid is not None else k.reshape(B * T, cfg.num_kv_heads, cfg.head_dim)
-            vf = v[valid] if valid is not None else v.reshape(B * T, cfg.num_kv_heads, cfg.head_dim)
-            cache.k[plan.write_seq, :, plan.write_slot] = kf
-            cache.v[plan.write_seq, :, plan.write_slot] = vf
-        qt = q.transpose(1, 2).to(attn_dtype)  # [B, H, T, D]
-        gqa = cfg.num_heads != cfg.num_kv_heads
-        if plan.segments is not None:
-            attn = None if len(plan.segments) == 1 else qt.new_zeros(qt.shape)
-            for seg in plan.segments:
-                lo = seg.lo[self.window]
-                keys = cache.k[seg.seq : seg.seq + 1, :, lo : seg.hi]
-                values = cache.v[seg.seq : seg.seq + 1, :, lo : seg.hi]
-                if seg.keys is not None:
-                    keys = torch.cat([keys, cache.k[seg.seq : seg.seq + 1, :, seg.keys]], dim=2)
-                    values = torch.cat([values, cache.v[seg.seq : seg.seq + 1, :, seg.keys]], dim=2)
-                out = F.scaled_dot_product_attention(
-                    qt[seg.b : seg.b + 1, :, seg.t0 : seg.t1], keys.to(attn_dtype), values.to(attn_dtype),
-                    attn_mask=seg.masks[self.window], scale=cfg.attn_scale, enable_gqa=gqa,
-                    is_causal=seg.causal and seg.masks[self.window] is None,
-                )
-                if attn is None:
-                    attn = out
-                else:
-                    attn[seg.b, :, seg.t0 : seg.t1] = out[0]
-        else:
-            attn = F.scaled_dot_product_attention(
+            return
+        valid = plan.valid
+        kf = k[valid] if valid is not None else k.reshape(B * T, *k.shape[2:])
+        vf = v[valid] if valid is not None else v.reshape(B * T, *v.shape[2:])
+        cache.k[plan.write_seq, :, plan.write_slot] = kf
+        cache.v[plan.write_seq, :, plan.write_slot] = vf
+
+    def _attend(self, qt: torch.Tensor, plan: AttentionPlan, cache: LayerCache) -> torch.Tensor:
+        """Attention of the queries qt [B, H, T, D] over the cache, as the plan lays it out:
+        one call per segment (chains, token-by-token trees) or one padded, masked call."""
+        scale, gqa = self.cfg.attn_scale, self.cfg.num_heads != self.cfg.num_kv_heads
+        if plan.segments is None:
+            return F.scaled_dot_product_attention(
                 qt,
-                cache.k[plan.read_seqs, :, : plan.read_len].to(attn_dtype),
-                cache.v[plan.read_seqs, :, : plan.read_len].to(attn_dtype),
-                attn_mask=plan.masks[self.window], scale=cfg.attn_scale, enable_gqa=gqa,
+                cache.k[plan.read_seqs, :, : plan.read_len].to(qt.dtype),
+                cache.v[plan.read_seqs, :, : plan.read_len].to(qt.dtype),
+                attn_mask=plan.masks[self.window], scale=scale, enable_gqa=gqa,
             )
-        attn = self.o(attn.transpose(1, 2).reshape(B, T, self.q_size).to(x.dtype)).to(x.dtype)
-        if cfg.sandwich_norms:
-            attn = self.post_attn_norm(attn)
-        x = x + attn
-        h = self.mlp_norm(x)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        act = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
-        mlp = self.down(act * up).to(x.dtype)
-        if cfg.sandwich_norms:
-            mlp = self.post_mlp_norm(mlp)
-        return x + mlp
+        attn = None if len(plan.segments) == 1 else qt.new_zeros(qt.shape)
+        for seg in plan.segments:
+            lo = seg.lo[self.window]
+            keys = cache.k[seg.seq : seg.seq + 1, :, lo : seg.hi]
+            values = cache.v[seg.seq : seg.seq + 1, :, lo : seg.hi]
+            if seg.keys is not None:
+                keys = torch.cat([keys, cache.k[seg.seq : seg.seq + 1, :, seg.keys]], dim=2)
+                values = torch.cat([values, cache.v[seg.seq : seg.seq + 1, :, seg.keys]], dim=2)
+            out = F.scaled_dot_product_attention(
+                qt[seg.b : seg.b + 1, :, seg.t0 : seg.t1], keys.to(qt.dtype), values.to(qt.dtype),
+                attn_mask=seg.masks[self.window], scale=scale, enable_gqa=gqa,
+                is_causal=seg.causal and seg.masks[self.window] is None,
+            )
+            if attn is None:
+                attn = out
+            else:
+                attn[seg.b, :, seg.t0 : seg.t1] = out[0]
+        return attn
 
 
 class TransformerLM(nn.Module):

@@ -321,6 +321,15 @@ def _check_inputs(
         raise ValueError(f"num_drafts must lie in [0, {k_max}], got {num_drafts.tolist()}")
 
     drafted = torch.arange(k_max, device=device) < num_drafts[:, None]  # [B, K]
+    _check_target_rows(target_probs, draft_tokens, drafted, num_drafts)
+    _check_draft_probs(draft_probs, drafted, num_drafts, target_probs.shape)
+    return num_drafts, greedy
+
+
+def _check_target_rows(target_probs: torch.Tensor, draft_tokens: torch.Tensor, drafted: torch.Tensor,
+                       num_drafts: torch.Tensor) -> None:
+    """Draft tokens inside the vocabulary; every target row in use finite and with mass."""
+    num_rows, vocab, device = target_probs.shape[1], target_probs.shape[2], target_probs.device
     tokens = draft_tokens.to(device)
     if at := _first(drafted & ((tokens < 0) | (tokens >= vocab))):
         raise ValueError(
@@ -337,6 +346,12 @@ def _check_inputs(
     if at := _first(in_use & (sums <= 0)):
         raise ValueError(f"target probabilities of batch row {at[0]} (position {at[1]}) have no mass")
 
+
+def _check_draft_probs(draft_probs: DraftProbs, drafted: torch.Tensor, num_drafts: torch.Tensor,
+                       shape: torch.Size) -> None:
+    """Dense [B, K, V] q, or one [>= k, V] q per request (None: deterministic), finite where drafted."""
+    batch, k_max, vocab = shape[0], shape[1] - 1, shape[2]
+    device = drafted.device
     if isinstance(draft_probs, torch.Tensor):
         if tuple(draft_probs.shape) != (batch, k_max, vocab):
             raise ValueError(
@@ -346,7 +361,7 @@ def _check_inputs(
             raise NonFiniteLogitsError(
                 f"draft probabilities of batch row {at[0]} (position {at[1]}) contain NaN or inf"
             )
-        return num_drafts, greedy
+        return
     if len(draft_probs) != batch:
         raise ValueError(f"draft_probs needs one entry per request ({batch}), got {len(draft_probs)}")
     owners, q_sums = [], []  # the batch row of each q_i checked, and sum(q_i)
@@ -363,7 +378,6 @@ def _check_inputs(
     if q_sums and (bad := (~torch.cat(q_sums).isfinite()).nonzero()).numel():
         row = owners[int(bad[0])]
         raise NonFiniteLogitsError(f"draft probabilities of batch row {row} contain NaN or inf")
-    return num_drafts, greedy
 
 
 def _first(mask: torch.Tensor) -> tuple[int, int] | None:
