@@ -7,9 +7,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # The engine pulls in the model stack; keep `import tandem` light until it is needed.
     if name == "LLM":
-        from tandem.llm import LLM
+        from tandem.llm import LLM  # lazy: the engine pulls in the model stack; `import tandem` stays light
 
         return LLM
     raise AttributeError(name)

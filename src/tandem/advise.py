@@ -15,7 +15,23 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tandem.bench.spec import DEFINITIONS, Method, SpecCase, machine_info
+from tandem.bench.base import save_report
+from tandem.bench.kernel_report import measure_bandwidth, model_weight_bytes
+from tandem.bench.prompts import load_prompt_file, spread_prompts
+from tandem.bench.spec import (
+    DEFINITIONS,
+    OVERALL,
+    Method,
+    SpecCase,
+    default_methods,
+    machine_info,
+    parse_methods,
+    run_spec_bench,
+)
+from tandem.config import DTYPES, QUANTIZATIONS, EngineConfig
+from tandem.llm import LLM, configure_threads
+from tandem.model.cost import forward_cost_curve
+from tandem.model.loader import DEFAULT_MODEL, load_model
 from tandem.scheduler.cost_model import CostCurve, best_k, break_even_batch, expected_tau, speedup
 
 K_MAX = 8
@@ -167,10 +183,6 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
                max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
                curve_sizes=ADVISE_CURVE_SIZES, progress: bool = True) -> dict:
     """Measure and predict; returns the advisor's report (what `--json` writes)."""
-    from tandem.bench.kernel_report import measure_bandwidth, model_weight_bytes
-    from tandem.model.cost import forward_cost_curve
-    from tandem.bench.spec import OVERALL, run_spec_bench
-
     if not methods:
         raise ValueError("no drafters to assess; pass --drafters NAME[=PATH] ...")
     if k_max < 1:
@@ -181,32 +193,10 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
     common = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, progress=progress)
 
     def measure(ms: list[Method]) -> dict:
-        quiet = logging.getLogger("tandem.engine")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)  # the engine's own low-tau warning: the advisor reports it below
-        try:
-            return run_spec_bench(loaded, cases, methods=ms, num_draft_tokens=k_max, **common)["categories"][OVERALL]["tandem"]
-        finally:
-            quiet.setLevel(level)
+        return _measure(loaded, cases, ms, k_max, common)
 
-    profiled = measure([Method(m.algorithm, m.draft_path, k_max) for m in methods])
-    advice = []
-    for m in methods:
-        row = profiled[Method(m.algorithm, m.draft_path, k_max).label]
-        advice.append(analyse_drafter(m.label, row["drafted_acceptance"] + [0.0] * (k_max - len(row["drafted_acceptance"])),
-                                      curve, k_max, row["draft_seconds_per_position"], row["speedup"], row["tau"], k_max,
-                                      row["draft"]["drafted_lengths"]))
-    # Check the prediction at each drafter's best k with a second measured run.
-    recheck = [Method(m.algorithm, m.draft_path, a.best_k) for m, a in zip(methods, advice) if 0 < a.best_k != k_max]
-    rows = measure(recheck) if recheck else {}
-    for m, a in zip(methods, advice):
-        if a.best_k == k_max:
-            a.measured_best = a.measured_at_k_measured
-        elif a.best_k == 0:
-            a.measured_best = 1.0
-        else:
-            a.measured_best = rows[Method(m.algorithm, m.draft_path, a.best_k).label]["speedup"]
-
+    advice = _profile_drafters(measure, methods, curve, k_max)
+    _recheck_best_k(measure, methods, advice, k_max)
     for a in advice:
         a.warnings = drafter_warnings(a, curve)
     threads = torch.get_num_threads()
@@ -229,6 +219,42 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
             "lengths; at concurrency B: cost(B) and cost(B * (1 + min(drafted, k)))")},
         "machine": machine_info(),
     }
+
+
+def _measure(loaded, cases: list[SpecCase], methods: list[Method], k_max: int, common: dict) -> dict:
+    """tandem's overall rows of one `run_spec_bench` over `methods` at k_max."""
+    quiet = logging.getLogger("tandem.engine")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the engine's own low-tau warning: the advisor reports it below
+    try:
+        return run_spec_bench(loaded, cases, methods=methods, num_draft_tokens=k_max, **common)["categories"][OVERALL]["tandem"]
+    finally:
+        quiet.setLevel(level)
+
+
+def _profile_drafters(measure, methods: list[Method], curve: CostCurve, k_max: int) -> list[DrafterAdvice]:
+    """Every drafter measured at k_max in one run, and the predictions from its acceptance profile."""
+    profiled = measure([Method(m.algorithm, m.draft_path, k_max) for m in methods])
+    advice = []
+    for m in methods:
+        row = profiled[Method(m.algorithm, m.draft_path, k_max).label]
+        advice.append(analyse_drafter(m.label, row["drafted_acceptance"] + [0.0] * (k_max - len(row["drafted_acceptance"])),
+                                      curve, k_max, row["draft_seconds_per_position"], row["speedup"], row["tau"], k_max,
+                                      row["draft"]["drafted_lengths"]))
+    return advice
+
+
+def _recheck_best_k(measure, methods: list[Method], advice: list[DrafterAdvice], k_max: int) -> None:
+    """Check the prediction at each drafter's best k with a second measured run (sets measured_best)."""
+    recheck = [Method(m.algorithm, m.draft_path, a.best_k) for m, a in zip(methods, advice) if 0 < a.best_k != k_max]
+    rows = measure(recheck) if recheck else {}
+    for m, a in zip(methods, advice):
+        if a.best_k == k_max:
+            a.measured_best = a.measured_at_k_measured
+        elif a.best_k == 0:
+            a.measured_best = 1.0
+        else:
+            a.measured_best = rows[Method(m.algorithm, m.draft_path, a.best_k).label]["speedup"]
 
 
 def recommendation(advice: list[DrafterAdvice]) -> str:
@@ -277,9 +303,6 @@ def print_advice(report: dict) -> None:
 
 
 def add_advise_parser(sub) -> None:
-    from tandem.config import DTYPES, QUANTIZATIONS
-    from tandem.model.loader import DEFAULT_MODEL
-
     p = sub.add_parser("advise", help="measure drafters on your prompts: best k, predicted vs measured speedup, warnings")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES)
@@ -301,12 +324,6 @@ def add_advise_parser(sub) -> None:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from tandem.bench.prompts import load_prompt_file, spread_prompts
-    from tandem.bench.spec import default_methods, parse_methods
-    from tandem.config import EngineConfig
-    from tandem.llm import LLM, configure_threads
-    from tandem.model.loader import load_model
-
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else spread_prompts(args.limit)
@@ -331,8 +348,6 @@ def cmd_advise(args: argparse.Namespace) -> int:
                         temperature=args.temperature, seed=args.seed)
     print_advice(report)
     if args.json:
-        from tandem.bench.base import save_report
-
         save_report(report, args.json)
     return 0
 

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from tqdm.auto import tqdm
 
-from tandem.config import SamplingParams
+from tandem.config import SamplingParams, SpecConfig
 from tandem.drafters import DraftInput, DraftOutcome
 from tandem.engine.engine import Engine
 from tandem.model.kv_cache import KVCache
@@ -181,8 +182,6 @@ class Auditor:
     def run(self, rounds: int, seed: int = 0) -> list[_Round]:
         """`rounds` independent rounds, each verified like the engine's (one token-by-token forward
         per batch, chains and trees alike) and graded by `grading.grade_round`."""
-        from tqdm.auto import tqdm
-
         drafter, n = self.engine.drafter, len(self.ctx) - 1
         out: list[_Round] = []
         with tqdm(total=rounds, desc="audit rounds", disable=None) as bar:
@@ -354,10 +353,6 @@ def run_audit(engine: Engine, prompt_ids: list[int], params: SamplingParams, rou
 
 def _greedy_identity(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> AuditCheck:
     """Greedy: speculative output must equal plain output token for token."""
-    from dataclasses import replace
-
-    from tandem.config import SpecConfig
-
     plain = Engine(engine.loaded, replace(engine.config, spec=SpecConfig()))
     outs = []
     for eng in (engine, plain):

@@ -8,15 +8,19 @@ import logging
 import sys
 import time
 
+from tandem.advise import add_advise_parser
+from tandem.audit import run_audit
+from tandem.bench.cli import add_bench_parser
 from tandem.config import SpecConfig
 from tandem.flags import add_model_args, add_sampling_args, add_spec_args, sampling_from_args
+from tandem.launch_server import add_serve_args, run_serve
+from tandem.llm import LLM
+from tandem.train.cli import add_train_parser
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
 
 def llm_from_args(args):
-    from tandem.llm import LLM
-
     return LLM(
         args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
         max_model_len=args.max_model_len, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
@@ -71,8 +75,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from tandem.audit import run_audit
-
     if not args.speculative_algorithm:
         raise ValueError("audit needs --speculative-algorithm")
     params = sampling_from_args(args)
@@ -108,21 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance level")
     audit.set_defaults(func=cmd_audit)
 
-    from tandem.launch_server import add_serve_args, run_serve
-
     serve = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and adaptive speculation")
     add_serve_args(serve)
     serve.set_defaults(func=run_serve)
 
-    from tandem.bench.cli import add_bench_parser
-
     add_bench_parser(sub)
-    from tandem.train.cli import add_train_parser
-
     add_train_parser(sub)
-
-    from tandem.advise import add_advise_parser
-
     add_advise_parser(sub)
     return parser
 

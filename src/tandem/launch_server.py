@@ -16,8 +16,17 @@ import time
 import dataclasses
 from dataclasses import dataclass
 
-from tandem.config import EngineConfig, ServerConfig, SpecConfig
+import uvicorn
+
+from tandem.config import SPEC_POLICIES, EngineConfig, ServerConfig, SpecConfig
+from tandem.engine.engine import Engine
 from tandem.flags import add_model_args, add_spec_args
+from tandem.llm import configure_threads
+from tandem.model.loader import DEFAULT_DRAFTERS, load_model
+from tandem.scheduler.profile import cost_curve_for
+from tandem.server.app import build_app
+from tandem.server.async_engine import AsyncEngine
+from tandem.server.metrics import ServerMetrics
 
 # The server adapts draft lengths to load by default; the library keeps SpecConfig's "fixed"
 # (what you configure is what runs) because a policy without a measured cost curve cannot adapt.
@@ -26,8 +35,6 @@ NO_SPECULATION = ("none", "off")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from tandem.config import SPEC_POLICIES
-
     add_model_args(p)
     add_spec_args(p, algorithm_help="drafter name; default: the model's default drafter (DEFAULT_DRAFTERS); "
                                     "none: plain decoding")
@@ -50,8 +57,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
-    from tandem.model.loader import DEFAULT_DRAFTERS
-
     algorithm = args.speculative_algorithm
     if algorithm is None:
         algorithm = DEFAULT_DRAFTERS.get(args.model)
@@ -73,14 +78,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
 
 def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
     """Load everything the server needs and return the FastAPI app (engine thread not started)."""
-    from tandem.engine.engine import Engine
-    from tandem.llm import configure_threads
-    from tandem.model.loader import load_model
-    from tandem.server.app import build_app
-    from tandem.server.async_engine import AsyncEngine
-    from tandem.server.metrics import ServerMetrics
-    from tandem.scheduler.profile import cost_curve_for
-
     threads = configure_threads(engine_config.threads)
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, quantization=engine_config.quantization,
                         device=engine_config.device, kv_cache_dtype=engine_config.kv_cache_dtype)
@@ -99,8 +96,6 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
-    import uvicorn
-
     app = build_server_app(engine_config, server_config)
     spec = engine_config.spec
     print(f"tandem serving {engine_config.model} on http://{server_config.host}:{server_config.port}/v1 "
@@ -137,8 +132,6 @@ class BackgroundServer:
 
 def serve_in_background(app, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 5.0) -> BackgroundServer:
     """Start `app` on host:port (0 = a free port) and return once it accepts connections."""
-    import uvicorn
-
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=drain_timeout_s))
     thread = threading.Thread(target=server.run, name="tandem-uvicorn", daemon=True)

@@ -10,8 +10,13 @@ gain: verifying k drafts costs curve[k + 1].
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,8 +25,10 @@ import torch
 from tandem.bench.kernel_report import kernel_report, measure_bandwidth, model_weight_bytes, print_kernel_report
 from tandem.bench.prompts import spec_bench_prompts
 from tandem.config import SamplingParams
+from tandem.llm import LLM
 from tandem.model.kernels import kernel_description
 from tandem.model.cost import CONTEXT_FOR_CURVE, CURVE_SIZES, fastest_of, forward_cost_curve
+from tandem.model.loader import float_checkpoint, load_model, resolve_model
 
 
 # The clock every timing in a run uses: wall time, or with --cpu-time the CPU time of the calling
@@ -52,8 +59,6 @@ class BaseResult:
 
 
 def run_tandem(model_name: str, dtype: str, quant: str, prompts: list[str], max_new: int, threads: int | None):
-    from tandem.llm import LLM
-
     llm = LLM(model_name, dtype=dtype, quantization=quant, threads=threads, max_num_seqs=1)
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     chat = llm.tokenizer.chat_template is not None  # a base model (Gemma 3 270M) takes the plain text
@@ -80,9 +85,7 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 def run_transformers(model_name: str, prompts: list[str], max_new: int) -> BaseResult:
     """transformers `generate`, fp32, greedy, static-free default cache: its documented default."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tandem.model.loader import float_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: ~1 s to import, this row only
 
     hf_dir = float_checkpoint(model_name)
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
@@ -110,7 +113,7 @@ def run_transformers(model_name: str, prompts: list[str], max_new: int) -> BaseR
 
 
 def _transformers_cost_curve(model, repeats: int = 5) -> dict[int, float]:
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # lazy: ~1 s to import, the transformers row only
 
     cache = DynamicCache(config=model.config)
     prefix = torch.tensor([[100 + i % 1000 for i in range(CONTEXT_FOR_CURVE)]])
@@ -129,13 +132,6 @@ def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int
     """llama.cpp (llama-cpp-python) on the same GGUF, same prompts and token count, in a child
     process: a build that dies on this CPU (an illegal instruction) costs its line, not the run.
     Returns the result, or None and why there is none."""
-    import importlib.util
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
-    from tandem.model.loader import resolve_model
-
     if importlib.util.find_spec("llama_cpp") is None:
         return None, "llama-cpp-python is not installed"
     src = resolve_model(model_name)
@@ -152,9 +148,7 @@ def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int
 
 def _llamacpp_tokens_per_second(gguf_path: str, prompts: list[str], max_new: int, threads: int | None,
                                 cpu_time: bool) -> float:
-    import os
-
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # lazy: optional dependency (llama-cpp-python), in the child process only
 
     use_cpu_clock(cpu_time)
     llm = Llama(model_path=gguf_path, n_ctx=2048, n_threads=threads or os.cpu_count(), verbose=False)
@@ -184,8 +178,6 @@ def bench_base(args) -> dict:
     prompts = [p.text for p in spec_bench_prompts(per_category=1)][: args.num_prompts]
     kernels = None
     if not args.skip_kernel_report:
-        from tandem.model.loader import load_model, resolve_model
-
         kernels = kernel_report(load_model(args.model), resolve_model(args.model).gguf_path)
         print_kernel_report(kernels)
         gc.collect()
@@ -254,10 +246,10 @@ def print_table(report: dict) -> None:
 
 def plot_cost_curves(report: dict, path: str) -> None:
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional dependency (plots only)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: after matplotlib.use("Agg")
     except ImportError:
         print("matplotlib not installed: skipping the plot")
         return

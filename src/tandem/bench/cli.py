@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.bench.base import bench_base
+from tandem.bench.results_doc import results_command
+from tandem.bench.serve import add_serve_bench_parser
+from tandem.bench.spec_merge import merge_command
+from tandem.bench.spec_report import bench_spec
+from tandem.config import DTYPES, QUANTIZATIONS
+from tandem.llm import configure_threads
+from tandem.model.loader import DEFAULT_MODEL
+
 
 def add_bench_parser(sub) -> None:
-    from tandem.config import DTYPES, QUANTIZATIONS
-    from tandem.model.loader import DEFAULT_MODEL
-
     bench = sub.add_parser("bench", help="benchmarks (side by side, one run, ratios)")
     kinds = bench.add_subparsers(dest="bench", required=True)
+    _add_base_parser(kinds)
+    _add_spec_parser(kinds)
+    _add_spec_merge_parser(kinds)
+    _add_results_parser(kinds)
+    add_serve_bench_parser(kinds)
 
+
+def _add_base_parser(kinds) -> None:
     base = kinds.add_parser("base", help="plain decoding: tandem configurations vs transformers (and llama.cpp)")
     base.add_argument("--model", default=DEFAULT_MODEL)
     base.add_argument("--configs", nargs="+", default=["float32/none", "bfloat16/none", "bfloat16/int8", "bfloat16/int4", "bfloat16/native", "int8", "int4", "native"],
@@ -30,6 +43,8 @@ def add_bench_parser(sub) -> None:
     base.add_argument("--plot", default="results/bench_base.png")
     base.set_defaults(func=_run_base)
 
+
+def _add_spec_parser(kinds) -> None:
     spec = kinds.add_parser("spec", help="speculative decoding, Spec-Bench style: every drafter vs plain, "
                                          "transformers prompt lookup / assisted generation vs its plain generate")
     spec.add_argument("--model", default=DEFAULT_MODEL)
@@ -56,6 +71,8 @@ def add_bench_parser(sub) -> None:
     spec.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
     spec.set_defaults(func=_run_spec)
 
+
+def _add_spec_merge_parser(kinds) -> None:
     merge = kinds.add_parser("spec-merge", help="merge `bench spec` reports of disjoint subtasks (a full suite run in "
                                                 "parts, e.g. one --categories run per sitting) into one report")
     merge.add_argument("reports", nargs="+", help="report JSON files written by `tandem bench spec --json`")
@@ -63,6 +80,8 @@ def add_bench_parser(sub) -> None:
     merge.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
     merge.set_defaults(func=_run_spec_merge)
 
+
+def _add_results_parser(kinds) -> None:
     results = kinds.add_parser("results", help="rebuild results/README.md from the results/**/*.json files: per file "
                                                "its command, machine and headline tables")
     results.add_argument("--results-dir", default="results", help="directory searched for *.json reports")
@@ -70,15 +89,8 @@ def add_bench_parser(sub) -> None:
     results.add_argument("--check", action="store_true", help="write nothing; exit 1 if --out is not up to date")
     results.set_defaults(func=_run_results)
 
-    from tandem.bench.serve import add_serve_bench_parser
-
-    add_serve_bench_parser(kinds)
-
 
 def _run_base(args: argparse.Namespace) -> int:
-    from tandem.bench.base import bench_base
-    from tandem.llm import configure_threads
-
     if args.cpu_time and args.threads != 1:
         print("--cpu-time: every engine runs on one thread (--threads 1)")
         args.threads = 1
@@ -88,9 +100,6 @@ def _run_base(args: argparse.Namespace) -> int:
 
 
 def _run_spec(args: argparse.Namespace) -> int:
-    from tandem.bench.spec_report import bench_spec
-    from tandem.llm import configure_threads
-
     configure_threads(args.threads)
     report = bench_spec(args)
     # A greedy mismatch means a method changed the output: a bug, so the exit status says so.
@@ -98,12 +107,8 @@ def _run_spec(args: argparse.Namespace) -> int:
 
 
 def _run_spec_merge(args: argparse.Namespace) -> int:
-    from tandem.bench.spec_merge import merge_command
-
     return merge_command(args)
 
 
 def _run_results(args: argparse.Namespace) -> int:
-    from tandem.bench.results_doc import results_command
-
     return results_command(args)

@@ -56,7 +56,7 @@ def measure_bandwidth(mb: int = 1024, repeats: int = 7) -> float:
 def gguf_step_bytes(path) -> int:
     """Bytes of the GGUF's own tensors a decode step reads: all of them, except the token
     embedding when a separate output matrix serves as the LM head (then it is only a lookup)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: keeps `tandem --help` fast; only a GGUF target reads one
 
     tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
     if "output.weight" in tensors:

@@ -15,11 +15,11 @@ ALPHAS = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9)
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional dependency; imported only when a plot is drawn
     except ImportError as err:
         raise ImportError("plots need matplotlib: pip install matplotlib (or pass no plot directory)") from err
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use("Agg")
 
     return plt
 
@@ -102,7 +102,7 @@ def plot_acceptance_per_position(report: dict, path: str | Path) -> Path:
     """P(draft token i passes | earlier ones passed) per position (solid), and the drafted
     acceptance (dotted: a missing draft token counts as a failure), overall."""
     plt = _pyplot()
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # lazy: optional dependency (see _pyplot)
 
     overall = report["categories"]["overall"]["tandem"]
     fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib.resources import files
+from pathlib import Path
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -51,8 +52,6 @@ def load_prompt_file(path: str, limit: int | None = None) -> list[BenchPrompt]:
     """The user's own prompts: a .jsonl file whose records hold "prompt", "text" or "turns" (the
     first turn; Spec-Bench/MT-Bench files work as they are) and optionally "category", or a text
     file with one prompt per line."""
-    from pathlib import Path
-
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")

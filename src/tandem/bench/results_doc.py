@@ -321,11 +321,8 @@ def _identity_line(data: dict) -> str:
     return text + "."
 
 
-def spec_section(page: Page, rel: str, data: dict) -> list[str]:
-    subtasks = _subtasks(data)
-    stem = rel[: -len(".json")]
-    plots_rel, pngs = page.sibling_plots(rel)
-    plots = page.shown(plots_rel) if plots_rel and plots_rel == stem else ""
+def _spec_command(page: Page, rel: str, data: dict, subtasks: list[str], plots: str) -> list[str]:
+    """What was run: one `bench spec` run, or a loop of per-subtask runs and the `spec-merge` of them."""
     lines: list[str] = []
     merged = data.get("merged_from")
     owner = None if merged else _merged_owner(page, rel)
@@ -355,6 +352,46 @@ def spec_section(page: Page, rel: str, data: dict) -> list[str]:
         lines.append(f"`{KINDS['bench_spec']}`: {what}" + (f"; one part of {page.link(owner)}" if owner else "") + ".")
         lines.append("")
         lines += _code([_command(_spec_words(data, subtasks, page.shown(rel), plots), _variant_env(data.get("machine")))])
+    return lines
+
+
+def _spec_subtask_table(data: dict, subtasks: list[str], methods: list[str], overall: dict) -> list[str]:
+    hf_names = [name for name in (overall.get("transformers") or {}) if name != PLAIN]
+    lines = ["", "Per subtask (tau / speedup over tandem plain"
+             + ("; transformers: speedup over its plain `generate`" if hf_names else "") + "):", ""]
+    sub_header = ["subtask", "n", "plain tok/s", *methods, *[f"hf {n}" for n in hf_names]]
+    if hf_names:
+        sub_header.append("hf plain tok/s")
+    sub_rows = []
+    for cat in [*subtasks, OVERALL]:
+        row = data["categories"][cat]
+        t = row.get("tandem") or {}
+        cells = [f"**{cat}**" if cat == OVERALL else cat, row.get("num_prompts"),
+                 _num((t.get(PLAIN) or {}).get("tokens_per_second"), 1)]
+        cells += [f"{_num((t.get(m) or {}).get('tau'))} / {_times((t.get(m) or {}).get('speedup'))}" for m in methods]
+        hf = row.get("transformers") or {}
+        cells += [_times((hf.get(n) or {}).get("speedup")) for n in hf_names]
+        if hf_names:
+            cells.append(_num((hf.get(PLAIN) or {}).get("tokens_per_second"), 1))
+        sub_rows.append(cells)
+    return lines + table(sub_header, sub_rows)
+
+
+def _spec_curve_line(curve: dict) -> list[str]:
+    if "1" not in curve:
+        return []
+    sizes = [n for n in (2, 4, 8, 16, 32) if str(n) in curve]
+    return ["", f"Forward cost curve in the run: c({') / c('.join(map(str, sizes))}) = "
+            + " / ".join(_num(_curve_ratio(curve, n)) for n in sizes)
+            + f" x one token ({_num(1000 * curve['1'], 1)} ms)."]
+
+
+def spec_section(page: Page, rel: str, data: dict) -> list[str]:
+    subtasks = _subtasks(data)
+    stem = rel[: -len(".json")]
+    plots_rel, pngs = page.sibling_plots(rel)
+    plots = page.shown(plots_rel) if plots_rel and plots_rel == stem else ""
+    lines = _spec_command(page, rel, data, subtasks, plots)
     lines.append("")
     mode = "greedy" if not data.get("temperature") else f"temperature {data['temperature']:g} (seeded per prompt)"
     lines.append(_machine_line(page, rel, data.get("machine")))
@@ -375,31 +412,8 @@ def spec_section(page: Page, rel: str, data: dict) -> list[str]:
     lines += table(header, rows)
     methods = [name for name in tandem if name != PLAIN]
     if len(subtasks) > 1:
-        hf_names = [name for name in (overall.get("transformers") or {}) if name != PLAIN]
-        lines += ["", "Per subtask (tau / speedup over tandem plain"
-                  + ("; transformers: speedup over its plain `generate`" if hf_names else "") + "):", ""]
-        sub_header = ["subtask", "n", "plain tok/s", *methods, *[f"hf {n}" for n in hf_names]]
-        if hf_names:
-            sub_header.append("hf plain tok/s")
-        sub_rows = []
-        for cat in [*subtasks, OVERALL]:
-            row = data["categories"][cat]
-            t = row.get("tandem") or {}
-            cells = [f"**{cat}**" if cat == OVERALL else cat, row.get("num_prompts"),
-                     _num((t.get(PLAIN) or {}).get("tokens_per_second"), 1)]
-            cells += [f"{_num((t.get(m) or {}).get('tau'))} / {_times((t.get(m) or {}).get('speedup'))}" for m in methods]
-            hf = row.get("transformers") or {}
-            cells += [_times((hf.get(n) or {}).get("speedup")) for n in hf_names]
-            if hf_names:
-                cells.append(_num((hf.get(PLAIN) or {}).get("tokens_per_second"), 1))
-            sub_rows.append(cells)
-        lines += table(sub_header, sub_rows)
-    curve = data.get("cost_curve") or {}
-    if "1" in curve:
-        sizes = [n for n in (2, 4, 8, 16, 32) if str(n) in curve]
-        lines += ["", f"Forward cost curve in the run: c({') / c('.join(map(str, sizes))}) = "
-                  + " / ".join(_num(_curve_ratio(curve, n)) for n in sizes)
-                  + f" x one token ({_num(1000 * curve['1'], 1)} ms)."]
+        lines += _spec_subtask_table(data, subtasks, methods, overall)
+    lines += _spec_curve_line(data.get("cost_curve") or {})
     if pngs:
         lines += ["", "Plots: " + ", ".join(page.link(p, p.rsplit("/", 1)[-1]) for p in pngs) + "."]
     return lines
@@ -414,7 +428,8 @@ def _config_of(name: str) -> str | None:
     return f"{m.group(2)}/{m.group(1)}" if m else None
 
 
-def base_section(page: Page, rel: str, data: dict) -> list[str]:
+def _base_words(page: Page, rel: str, data: dict, plot_rel: str | None) -> list[str]:
+    """The `tandem bench base` command that wrote the report."""
     results = data.get("results") or []
     kernels = data.get("kernels")
     words = ["tandem", "bench", "base"]
@@ -433,18 +448,12 @@ def base_section(page: Page, rel: str, data: dict) -> list[str]:
         words += ["--cpu-time", "--threads", "1"]
     elif data.get("threads") is not None:
         words += ["--threads", str(data["threads"])]
-    plot_rel, pngs = page.sibling_plots(rel)
-    words += ["--out", page.shown(rel), "--plot", page.shown(plot_rel) if plot_rel and plot_rel.endswith(".png") else ""]
-    machine = None
-    if kernels:
-        machine = {"cpu": kernels.get("cpu"), "isa": kernels.get("isa"), "threads": kernels.get("threads"),
-                   "kernels": kernels.get("kernels")}
-    lines = [f"`{KINDS['bench_base']}`: plain decoding of {data.get('model')}, greedy, batch 1, "
-             f"{data.get('num_prompts')} Spec-Bench prompts (one per subtask, chat template where the model has one) x {data.get('max_new_tokens')} new tokens "
-             f"(prefill included), {data.get('clock')} clock; read bandwidth {_num(data.get('bandwidth_gb_s'), 1)} GB/s "
-             "measured in the run.", ""]
-    lines += _code([_command(words, _variant_env(machine))])
-    lines += ["", _machine_line(page, rel, machine), ""]
+    plot = page.shown(plot_rel) if plot_rel and plot_rel.endswith(".png") else ""
+    return words + ["--out", page.shown(rel), "--plot", plot]
+
+
+def _base_table(data: dict, results: list[dict]) -> list[str]:
+    """One row per configuration, with its ratios to transformers and llama.cpp when they ran."""
     ref_hf = next((r.get("tokens_per_second") for r in results if str(r.get("name", "")).startswith("transformers")), None)
     ref_cpp = next((r.get("tokens_per_second") for r in results if str(r.get("name", "")).startswith("llama.cpp")), None)
     header = ["configuration", "tok/s"]
@@ -468,36 +477,59 @@ def base_section(page: Page, rel: str, data: dict) -> list[str]:
                   _num(r.get("agreement_tokens"), 1), _num(r.get("step_ms"), 1),
                   _seq([_curve_ratio(curve, n) for n in (2, 4, 8, 16, 32)]) if curve else "-"]
         rows.append(cells)
-    lines += table(header, rows)
+    lines = table(header, rows)
     if ref_hf or any(r.get("agreement_tokens") is not None for r in results):
         lines += ["", f"Greedy agreement: mean tokens before the first divergence from tandem fp32 (of "
                   f"{data.get('max_new_tokens')}); cost c(n) = a forward over n new tokens / one token."]
+    return lines
+
+
+def _kernel_table(kernels: dict) -> list[str]:
+    """The kernel section `bench base` measured (bandwidth, peak, floor, step, cost curve, bf16 reference)."""
+    curve = kernels.get("curve") or {}
+    sizes = [n for n in (2, 4, 5, 8, 16) if str(n) in curve]
+    step, floor = kernels.get("step_ms"), kernels.get("floor_ms")
+    bf16 = kernels.get("bf16_curve") or {}
+    krows = [
+        ["CPU", kernels.get("cpu")],
+        ["instruction sets", ", ".join(kernels.get("isa") or []) or "-"],
+        ["kernels, threads", f"{kernels.get('kernels')}, {kernels.get('threads')}"],
+        ["read bandwidth", f"{_num(kernels.get('bandwidth_gb_s'), 1)} GB/s"],
+        ["int8 peak (register loop)", f"{_num(kernels.get('int8_peak_gmac_s'), 0)} GMAC/s"],
+        ["weights per step: tandem / the GGUF's own",
+         f"{_num((kernels.get('tandem_bytes') or 0) / 1e6, 0)} / "
+         f"{_num((kernels.get('gguf_bytes') or 0) / 1e6, 0) if kernels.get('gguf_bytes') else '-'} MB"],
+        [f"decode step at a {kernels.get('context')}-token context",
+         f"{_num(step)} ms" + (f" = {_times(step / floor)} the floor ({_num(floor)} ms)" if step and floor else "")],
+        [" / ".join(f"c({n})" for n in sizes), _seq([curve.get(str(n)) for n in sizes])],
+        ["each extra verified row (n = 1..16)",
+         f"{_num(kernels.get('extra_row_ms'))} ms" + (
+             f" = {100 * kernels['extra_row_efficiency']:.0f}% of the peak"
+             if isinstance(kernels.get("extra_row_efficiency"), (int, float)) else "")],
+        ["torch bf16 `F.linear` reference step", f"{_num(kernels.get('bf16_step_ms'), 1)} ms"
+         + (f" (c(8) {_num(bf16.get('8'))})" if "8" in bf16 else "")],
+    ]
+    return ["", "Kernel section:", "", *table(["measured", "value"], krows)]
+
+
+def base_section(page: Page, rel: str, data: dict) -> list[str]:
+    results = data.get("results") or []
+    kernels = data.get("kernels")
+    plot_rel, pngs = page.sibling_plots(rel)
+    words = _base_words(page, rel, data, plot_rel)
+    machine = None
     if kernels:
-        curve = kernels.get("curve") or {}
-        sizes = [n for n in (2, 4, 5, 8, 16) if str(n) in curve]
-        step, floor = kernels.get("step_ms"), kernels.get("floor_ms")
-        bf16 = kernels.get("bf16_curve") or {}
-        krows = [
-            ["CPU", kernels.get("cpu")],
-            ["instruction sets", ", ".join(kernels.get("isa") or []) or "-"],
-            ["kernels, threads", f"{kernels.get('kernels')}, {kernels.get('threads')}"],
-            ["read bandwidth", f"{_num(kernels.get('bandwidth_gb_s'), 1)} GB/s"],
-            ["int8 peak (register loop)", f"{_num(kernels.get('int8_peak_gmac_s'), 0)} GMAC/s"],
-            ["weights per step: tandem / the GGUF's own",
-             f"{_num((kernels.get('tandem_bytes') or 0) / 1e6, 0)} / "
-             f"{_num((kernels.get('gguf_bytes') or 0) / 1e6, 0) if kernels.get('gguf_bytes') else '-'} MB"],
-            [f"decode step at a {kernels.get('context')}-token context",
-             f"{_num(step)} ms" + (f" = {_times(step / floor)} the floor ({_num(floor)} ms)" if step and floor else "")],
-            [" / ".join(f"c({n})" for n in sizes), _seq([curve.get(str(n)) for n in sizes])],
-            ["each extra verified row (n = 1..16)",
-             f"{_num(kernels.get('extra_row_ms'))} ms" + (
-                 f" = {100 * kernels['extra_row_efficiency']:.0f}% of the peak"
-                 if isinstance(kernels.get("extra_row_efficiency"), (int, float)) else "")],
-            ["torch bf16 `F.linear` reference step", f"{_num(kernels.get('bf16_step_ms'), 1)} ms"
-             + (f" (c(8) {_num(bf16.get('8'))})" if "8" in bf16 else "")],
-        ]
-        lines += ["", "Kernel section:", ""]
-        lines += table(["measured", "value"], krows)
+        machine = {"cpu": kernels.get("cpu"), "isa": kernels.get("isa"), "threads": kernels.get("threads"),
+                   "kernels": kernels.get("kernels")}
+    lines = [f"`{KINDS['bench_base']}`: plain decoding of {data.get('model')}, greedy, batch 1, "
+             f"{data.get('num_prompts')} Spec-Bench prompts (one per subtask, chat template where the model has one) x {data.get('max_new_tokens')} new tokens "
+             f"(prefill included), {data.get('clock')} clock; read bandwidth {_num(data.get('bandwidth_gb_s'), 1)} GB/s "
+             "measured in the run.", ""]
+    lines += _code([_command(words, _variant_env(machine))])
+    lines += ["", _machine_line(page, rel, machine), ""]
+    lines += _base_table(data, results)
+    if kernels:
+        lines += _kernel_table(kernels)
     if pngs:
         lines += ["", "Plot: " + ", ".join(page.link(p, p.rsplit("/", 1)[-1]) for p in pngs) + "."]
     return lines

@@ -23,6 +23,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
+from tandem.bench.prompts import load_prompt_file, spread_prompts
+from tandem.model.loader import DEFAULT_MODEL
+
 MODES = ("adaptive", "fixed", "off")
 WARMUP_PROMPT = "Say hello."
 MODE_FLAGS = {
@@ -103,7 +108,7 @@ async def _one_request(http, url: str, model: str, prompt: str, index: int, max_
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
                     max_tokens: int) -> tuple[float, list[RequestResult]]:
     """`concurrency` users send `num_requests` requests in total (prompt i = prompts[i % len])."""
-    import httpx
+    import httpx  # lazy: ~0.2 s to import; only the sweep's client needs it
 
     todo = list(range(num_requests))
     results: list[RequestResult] = []
@@ -145,8 +150,6 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
               requests_per_user: int, max_tokens: int, min_requests: int = 4, save=None) -> dict:
     """Sweep every concurrency, modes in turn; returns the report (levels, identity, settings).
     `save(report)` is called after each concurrency, so an interrupted sweep keeps what it measured."""
-    from tqdm import tqdm
-
     levels: dict[int, dict[str, LevelResult]] = {}
     texts: dict[str, dict[tuple[int, int], str]] = {m: {} for m in urls}
 
@@ -214,10 +217,10 @@ def print_table(report: dict) -> None:
 
 def plot(report: dict, path: str) -> None:
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional dependency (plots only)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: after matplotlib.use("Agg")
     except ImportError:
         print("matplotlib not installed: skipping the plot")
         return
@@ -260,7 +263,7 @@ def _free_port() -> int:
 
 def launch_server(mode: str, args, log_dir: Path) -> tuple[subprocess.Popen, str]:
     """Start `python -m tandem.launch_server` for one mode and wait until /health answers."""
-    import httpx
+    import httpx  # lazy: ~0.2 s to import; only the sweep's client needs it
 
     port = _free_port()
     cmd = [sys.executable, "-m", "tandem.launch_server", "--model", args.model, "--port", str(port),
@@ -301,8 +304,6 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def bench_serve(args) -> dict:
-    from tandem.bench.prompts import load_prompt_file, spread_prompts
-
     if args.prompts_file:
         chosen = load_prompt_file(args.prompts_file, args.num_prompts)
     else:  # round-robin over the (chosen) Spec-Bench subtasks
@@ -364,8 +365,6 @@ def _parse_url(spec: str) -> tuple[str, str]:
 
 
 def add_serve_bench_parser(kinds) -> None:
-    from tandem.model.loader import DEFAULT_MODEL
-
     p = kinds.add_parser("serve", help="concurrency sweep against the server: speculation adaptive / fixed / off")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--algorithm", default=None, help="drafter (default: the model's default drafter)")

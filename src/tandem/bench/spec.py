@@ -19,9 +19,12 @@ from datetime import datetime, timezone
 from typing import Callable, Protocol
 
 import torch
+from tqdm.auto import tqdm
 
 from tandem.bench.kernel_report import ISA_FLAGS
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.drafters import TargetInfo, available_drafters, create_drafter
+from tandem.llm import LLM
 from tandem.model.kernels import cpu_flags, cpu_name, kernel_description
 from tandem.types import SpecStats
 
@@ -89,8 +92,6 @@ METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_s
 def parse_methods(items: list[str]) -> list[Method]:
     """`ngram`, `suffix`, `draft_model=PATH`, `eagle3@k=16@topk=4@steps=5` ...: space- or
     comma-separated, any registered name, with options after `@`."""
-    from tandem.drafters import available_drafters
-
     known = available_drafters()
     methods = []
     for item in (part for text in items for part in text.split(",")):
@@ -120,8 +121,6 @@ def parse_methods(items: list[str]) -> list[Method]:
 
 
 def target_info(loaded):
-    from tandem.drafters import TargetInfo
-
     eos = set(loaded.config.eos_token_ids)
     if loaded.tokenizer.eos_token_id is not None:
         eos.add(loaded.tokenizer.eos_token_id)
@@ -131,8 +130,6 @@ def target_info(loaded):
 def default_methods(loaded) -> tuple[list[Method], dict[str, str]]:
     """Every registered drafter that can be built with no extra files (no draft path), and for the
     others the reason they were left out (their own construction error)."""
-    from tandem.drafters import available_drafters, create_drafter
-
     target = target_info(loaded)
     usable, skipped = [], {}
     for name in available_drafters():
@@ -282,8 +279,6 @@ class Baselines(Protocol):
 
 def _tandem_config(name: str, loaded, method: Method | None, num_draft_tokens: int, max_model_len: int,
                    temperature: float) -> RunConfig:
-    from tandem.llm import LLM
-
     spec = SpecConfig(num_draft_tokens=num_draft_tokens) if method is None else method.spec_config(num_draft_tokens)
     llm = LLM.from_loaded(loaded, EngineConfig(model=loaded.name, max_model_len=max_model_len, max_num_seqs=1, spec=spec))
     probe = None
@@ -329,11 +324,7 @@ def run_spec_bench(
         raise ValueError("no prompts to benchmark")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    ks = [num_draft_tokens] + [m.num_draft_tokens for m in methods if m.num_draft_tokens]
-    longest = max(len(c.prompt_ids) for c in cases + ([SpecCase("", warmup_ids)] if warmup_ids else []))
-    max_model_len = max(2048, longest + max_new_tokens + max(ks) + 2)
-    configs = [_tandem_config(PLAIN, loaded, None, num_draft_tokens, max_model_len, temperature)]
-    configs += [_tandem_config(m.label, loaded, m, num_draft_tokens, max_model_len, temperature) for m in methods]
+    configs = _tandem_configs(loaded, cases, methods, num_draft_tokens, max_new_tokens, temperature, warmup_ids)
     hf_configs = baselines.configs(temperature) if baselines else []
 
     warm = warmup_ids or cases[0].prompt_ids
@@ -341,16 +332,7 @@ def run_spec_bench(
         cfg.run(warm, WARMUP_TOKENS, seed)
     gc.collect()
 
-    runs: dict[str, list[Run]] = {cfg.name: [] for cfg in configs}
-    hf_runs: dict[str, list[Run]] = {cfg.name: [] for cfg in hf_configs}
-    from tqdm.auto import tqdm
-
-    for i, case in enumerate(tqdm(cases, desc="prompts", unit="prompt", disable=not progress)):
-        for cfg in configs:
-            runs[cfg.name].append(cfg.run(case.prompt_ids, max_new_tokens, seed + i))
-        for cfg in hf_configs:
-            hf_runs[cfg.name].append(cfg.run(case.prompt_ids, max_new_tokens, seed + i))
-
+    runs, hf_runs = _run_cases(cases, configs, hf_configs, max_new_tokens, seed, progress)
     report = {
         "model": loaded.name,
         "quantization": loaded.quantization,
@@ -369,6 +351,30 @@ def run_spec_bench(
     }
     report.update(_tables(cases, runs, hf_runs, temperature))
     return report
+
+
+def _tandem_configs(loaded, cases: list[SpecCase], methods: list[Method], num_draft_tokens: int, max_new_tokens: int,
+                    temperature: float, warmup_ids: list[int] | None) -> list[RunConfig]:
+    """Plain decoding, then every method, on the shared weights with a context that fits every case."""
+    ks = [num_draft_tokens] + [m.num_draft_tokens for m in methods if m.num_draft_tokens]
+    longest = max(len(c.prompt_ids) for c in cases + ([SpecCase("", warmup_ids)] if warmup_ids else []))
+    max_model_len = max(2048, longest + max_new_tokens + max(ks) + 2)
+    configs = [_tandem_config(PLAIN, loaded, None, num_draft_tokens, max_model_len, temperature)]
+    configs += [_tandem_config(m.label, loaded, m, num_draft_tokens, max_model_len, temperature) for m in methods]
+    return configs
+
+
+def _run_cases(cases: list[SpecCase], configs: list[RunConfig], hf_configs: list[RunConfig], max_new_tokens: int,
+               seed: int, progress: bool) -> tuple[dict[str, list[Run]], dict[str, list[Run]]]:
+    """Every configuration on each case before the next case (prompt i: seed + i); the runs by name."""
+    runs: dict[str, list[Run]] = {cfg.name: [] for cfg in configs}
+    hf_runs: dict[str, list[Run]] = {cfg.name: [] for cfg in hf_configs}
+    for i, case in enumerate(tqdm(cases, desc="prompts", unit="prompt", disable=not progress)):
+        for cfg in configs:
+            runs[cfg.name].append(cfg.run(case.prompt_ids, max_new_tokens, seed + i))
+        for cfg in hf_configs:
+            hf_runs[cfg.name].append(cfg.run(case.prompt_ids, max_new_tokens, seed + i))
+    return runs, hf_runs
 
 
 def _summary(picked: list[Run], baseline: dict | None) -> dict:

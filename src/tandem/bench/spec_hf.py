@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.bench.spec import HF_ASSISTED, HF_PLD, PLAIN, Run, RunConfig
+from tandem.model.loader import BUILTIN_MODELS, _ensure_gguf_metadata, float_checkpoint, resolve_model
 
 
 def _hf_config(name: str, model, temperature: float, **extra) -> RunConfig:
@@ -71,17 +72,13 @@ class Baselines:
 
 def load_transformers(model_name: str):
     """The float copy in tandem's cache (the GGUF dequantised once), fp32, as `bench base` uses."""
-    from transformers import AutoModelForCausalLM
-
-    from tandem.model.loader import float_checkpoint
+    from transformers import AutoModelForCausalLM  # lazy: ~1 s to import, the transformers rows only
 
     return AutoModelForCausalLM.from_pretrained(str(float_checkpoint(model_name)), dtype=torch.float32).eval()
 
 
 def _vocab(model_name: str) -> dict[str, int]:
-    from transformers import AutoTokenizer
-
-    from tandem.model.loader import _ensure_gguf_metadata, resolve_model
+    from transformers import AutoTokenizer  # lazy: ~1 s to import, the transformers rows only
 
     src = resolve_model(model_name)
     if src.gguf_path is not None:
@@ -92,8 +89,6 @@ def _vocab(model_name: str) -> dict[str, int]:
 def pick_assistant(model_name: str, requested: str) -> tuple[str | None, str]:
     """The assistant for transformers' assisted generation: `requested` if given, or with `auto` a
     built-in model with a smaller GGUF and the target's exact tokenizer. (None, why) if there is none."""
-    from tandem.model.loader import BUILTIN_MODELS, resolve_model
-
     if requested == "none":
         return None, "disabled with --hf-assistant none"
     if requested != "auto":

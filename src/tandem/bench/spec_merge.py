@@ -14,7 +14,9 @@ import json
 import statistics
 from pathlib import Path
 
+from tandem.bench.prompts import spec_bench_prompts
 from tandem.bench.spec import OVERALL, PLAIN, DraftProfile, summary_row
+from tandem.bench.spec_report import print_identity, print_table, write_outputs
 from tandem.types import SpecStats
 
 # Report fields every merged run must share: they define what was measured.
@@ -128,9 +130,6 @@ def _median_cost_curve(curves: list[dict]) -> dict:
 
 
 def merge_command(args) -> int:
-    from tandem.bench.prompts import spec_bench_prompts
-    from tandem.bench.spec_report import print_identity, print_table, write_outputs
-
     paths = [Path(p) for p in args.reports]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:

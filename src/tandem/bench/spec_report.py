@@ -6,17 +6,18 @@ from __future__ import annotations
 import logging
 import time
 
+from tandem.bench.base import save_report
+from tandem.bench.plots import plot_spec_report
+from tandem.bench.prompts import spec_bench_prompts
 from tandem.bench.spec import OVERALL, PLAIN, WARMUP_TEXT, SpecCase, default_methods, parse_methods, run_spec_bench
 from tandem.bench.spec_hf import Baselines, load_transformers, pick_assistant
 from tandem.config import EngineConfig
+from tandem.llm import LLM
 from tandem.model.cost import forward_cost_curve
+from tandem.model.loader import load_model
 
 
 def bench_spec(args) -> dict:
-    from tandem.bench.prompts import spec_bench_prompts
-    from tandem.llm import LLM
-    from tandem.model.loader import load_model
-
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1 (prompts per subtask), got {args.limit}")
     if args.max_new_tokens < 1:
@@ -72,12 +73,8 @@ def bench_spec(args) -> dict:
 
 def write_outputs(report: dict, json_path: str | None, plots_dir: str | None) -> None:
     if json_path:
-        from tandem.bench.base import save_report
-
         save_report(report, json_path)
     if plots_dir:
-        from tandem.bench.plots import plot_spec_report
-
         for path in plot_spec_report(report, plots_dir):
             print(f"wrote {path}")
 

@@ -326,7 +326,44 @@ class IndexedTensor:
 
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads GGUF's little-endian header fields in order from a byte buffer."""
+
+    def __init__(self, buf: memoryview, pos: int) -> None:
+        self.buf, self.pos = buf, pos
+
+    def unpack(self, fmt: str) -> tuple:
+        out = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return out
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q")
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int):
+        """A metadata value: scalars and strings read, arrays skipped by length (None)."""
+        if vtype == _STRING:
+            return self.string()
+        if vtype != _ARRAY:
+            return self.unpack(_SCALAR_FORMATS[vtype])[0]
+        etype, count = self.unpack("<IQ")
+        if etype == _STRING:
+            for _ in range(count):
+                (n,) = self.unpack("<Q")
+                self.pos += n
+        elif etype == _ARRAY:
+            for _ in range(count):
+                self.value(_ARRAY)
+        else:
+            self.pos += _SCALAR_SIZES[etype] * count
+        return None
 
 
 def index_gguf(path: str | os.PathLike) -> tuple[dict[str, object], list[IndexedTensor]]:
@@ -344,59 +381,25 @@ def index_gguf(path: str | os.PathLike) -> tuple[dict[str, object], list[Indexed
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
     if version < 2:
         raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        s = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace")
-        pos += 8 + n
-        return s
-
-    def value(vtype: int):
-        nonlocal pos
-        if vtype == _STRING:
-            return string()
-        if vtype == _ARRAY:
-            etype, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if etype == _STRING:
-                for _ in range(count):
-                    (n,) = struct.unpack_from("<Q", buf, pos)
-                    pos += 8 + n
-            elif etype == _ARRAY:
-                for _ in range(count):
-                    value(_ARRAY)
-            else:
-                pos += _SCALAR_SIZES[etype] * count
-            return None
-        fmt = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}[vtype]
-        (v,) = struct.unpack_from(fmt, buf, pos)
-        pos += _SCALAR_SIZES[vtype]
-        return v
-
+    cur = _Cursor(buf, 24)
     metadata: dict[str, object] = {}
     for _ in range(n_kv):
-        key = string()
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        v = value(vtype)
+        key = cur.string()
+        v = cur.value(cur.unpack("<I")[0])
         if v is not None:
             metadata[key] = v
     infos = []
     for _ in range(n_tensors):
-        name = string()
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-        qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
+        name = cur.string()
+        (n_dims,) = cur.unpack("<I")
+        dims = cur.unpack(f"<{n_dims}Q")
+        qtype, offset = cur.unpack("<IQ")
         infos.append((name, dims, QT(qtype), offset))
     align = int(metadata.get("general.alignment", 32))
-    start = (pos + align - 1) // align * align
+    start = (cur.pos + align - 1) // align * align
     tensors = []
     for name, dims, qtype, offset in infos:
         block, type_size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(dims)) // block * type_size
-        data = raw[start + offset : start + offset + nbytes]
-        tensors.append(IndexedTensor(name, np.array(dims), qtype, data))
+        tensors.append(IndexedTensor(name, np.array(dims), qtype, raw[start + offset : start + offset + nbytes]))
     return metadata, tensors

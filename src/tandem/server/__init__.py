@@ -1,4 +1,5 @@
 """The OpenAI-compatible server: protocol (pydantic), app (FastAPI), the engine thread and metrics.
 
-Imported only by `tandem serve` / `python -m tandem.launch_server`, so `import tandem` stays light.
+Imported by `tandem.launch_server` (and so by the `tandem` command), never by `import tandem`,
+which stays light.
 """

@@ -94,6 +94,13 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                   description="OpenAI-compatible server with lossless speculative decoding",
                   responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                              503: {"model": ErrorResponse}})
+    _add_error_handlers(app)
+    _add_routes(app, ctx)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's body shape: ours, request validation, HTTP errors and the unexpected."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -122,6 +129,10 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         log.exception("unhandled error")
         return error_response(500, f"internal error: {type(err).__name__}: {err}", "internal_error")
 
+
+def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+    engine, model_name = ctx.engine, ctx.model_name
+
     @app.get("/health")
     async def health():
         if not engine.healthy:
@@ -145,8 +156,6 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prompt = _encode_chat(ctx, body)
         return await _serve(ctx, body, [prompt], request, chat=True)
-
-    return app
 
 
 # ---- request -> engine ------------------------------------------------------------------------

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
+from tandem.drafters.heads.base import TrainBatch
+from tandem.model.kv_cache import KVCache
+from tandem.model.runner import ModelRunner, SeqInput
 from tandem.train.data import atomic_write, check_cache_meta
 
 log = logging.getLogger("tandem.train")
@@ -58,9 +64,6 @@ def capture(
 
 def engine_forward_factory(loaded, batch_size: int):
     """forward_factory (see write_captures) running the target through tandem's engine."""
-    from tandem.model.kv_cache import KVCache
-    from tandem.model.runner import ModelRunner, SeqInput
-
     def forward_factory(max_len: int):
         device = loaded.model.embed.device
         cache = KVCache(loaded.config, batch_size, max_len, loaded.dtype, device, loaded.kv_dtype(device))
@@ -86,9 +89,6 @@ def write_captures(target_name: str, num_layers: int, forward_factory, seqs: lis
 
     forward_factory(longest sequence) -> forward(sequences, layers) -> {layer: [hidden [n_s, H] per sequence]}.
     """
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     directory = Path(directory)
     layers = tuple(sorted(set(layers)))
     if any(not 0 <= layer <= num_layers for layer in layers):
@@ -139,8 +139,6 @@ def capture_in_memory(forward_factory, seqs: list[Sequence], layers: tuple[int, 
     grouped by length into shards, so a batch (drawn within a shard) pads little. Recomputed by
     every run: the forwards cost far less than reading the shards back.
     """
-    from tqdm.auto import tqdm
-
     if not seqs:
         raise ValueError("no captured shards: the training set is empty (no prompt got an answer)")
     layers = tuple(sorted(set(layers)))
@@ -158,8 +156,6 @@ def capture_in_memory(forward_factory, seqs: list[Sequence], layers: tuple[int, 
 def _shard_keys(path: Path) -> list[str] | None:
     if not path.exists():
         return None
-    from safetensors import safe_open
-
     with safe_open(str(path), "pt") as f:
         return json.loads(f.metadata()["keys"])
 
@@ -180,8 +176,6 @@ class CapturedData:
     def __init__(self, paths: list[Path], layers: tuple[int, ...], max_prompt_context: int | None = None) -> None:
         """max_prompt_context: keep only the last N prompt tokens of each sequence in its batch rows
         (the loss is on answer tokens; a long prompt would otherwise pad every row of its batch)."""
-        from safetensors import safe_open
-
         _check_context(max_prompt_context)
         self.max_prompt_context = max_prompt_context
         if not paths:
@@ -231,8 +225,6 @@ class CapturedData:
     def to_device(self, device: str | torch.device) -> "CapturedData":
         """Keep every shard resident on `device` (the layers this data serves only), so batches
         are assembled there: on a GPU, host-side assembly and copies would bound the step time."""
-        from safetensors import safe_open
-
         if self._resident is not None:  # already in memory
             self._resident = [{name: t.to(device) for name, t in shard.items()} for shard in self._resident]
             return self
@@ -247,15 +239,11 @@ class CapturedData:
         if self._resident is not None:
             return self._resident[shard]
         if self._loaded is None or self._loaded[0] != shard:
-            from safetensors.torch import load_file
-
             self._loaded = (shard, load_file(str(self.paths[shard])))
         return self._loaded[1]
 
     def batch(self, shard: int, indices: list[int], device: str | torch.device = "cpu"):
         """Right-padded TrainBatch (hidden states as float32) of the given sequences."""
-        from tandem.drafters.heads.base import TrainBatch
-
         data = self._shard(shard)
         offsets, prompt_lens = data["offsets"].tolist(), data["prompt_lens"].tolist()
         spans = [(offsets[i], offsets[i + 1], prompt_lens[i]) for i in indices]

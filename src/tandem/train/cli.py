@@ -13,6 +13,19 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
+from tandem.config import DEVICES, DTYPES, QUANTIZATIONS
+from tandem.drafters.heads.base import TargetParts
+from tandem.drafters.heads.io import build_head, load_head, read_head_config, save_head
+from tandem.llm import LLM
+from tandem.model.loader import DEFAULT_MODEL, LoadedModel, load_model
+from tandem.paths import cache_root
+from tandem.train.capture import CapturedData, capture_in_memory, engine_forward_factory, sequences, write_captures
+from tandem.train.data import DistillConfig, PromptSplit, distill, load_prompts
+from tandem.train.hf_backend import distill_hf, hf_forward_factory, load_hf_target
+from tandem.train.trainer import CHECKPOINT, TrainConfig, TrainResult, train
+
 log = logging.getLogger("tandem.train")
 
 RECORD = "training_record.json"
@@ -24,9 +37,6 @@ def default_prompt_files() -> list[Path]:
 
 
 def add_train_parser(sub) -> None:
-    from tandem.config import DEVICES, DTYPES, QUANTIZATIONS
-    from tandem.model.loader import DEFAULT_MODEL
-
     p = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3, mtp, draft_model) for a target",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=DEFAULT_MODEL, help="the target model (built-in name, HF directory or .gguf)")
@@ -35,6 +45,15 @@ def add_train_parser(sub) -> None:
                    help="prompt files (.json/.jsonl: turns, question, instruction/input, prompt, or JSON strings); "
                         "default: the training sets shipped in tandem/data/train")
     p.add_argument("--out", required=True, help="directory for checkpoints, metrics and the exported head")
+    _add_data_args(p)
+    _add_optimisation_args(p)
+    _add_capture_args(p)
+    _add_method_args(p)
+    p.set_defaults(func=cmd_train)
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """The self-distillation stage: which prompts, how the target answers them, where they are cached."""
     p.add_argument("--data-dir", default=None,
                    help="cache of answers and hidden states (default: $TANDEM_CACHE_DIR/train/<target>)")
     p.add_argument("--num-prompts", type=int, default=1000, help="training prompts (after the held-out ones)")
@@ -51,6 +70,10 @@ def add_train_parser(sub) -> None:
                         "(a rerun continues; 0 = only answers already cached)")
     p.add_argument("--data-only", action="store_true",
                    help="stop after the answers and hidden states are cached (e.g. to train several heads on them)")
+
+
+def _add_optimisation_args(p: argparse.ArgumentParser) -> None:
+    """The optimisation: steps, batches, learning rate, evaluation, checkpoints, and where to start from."""
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--max-minutes", type=float, default=None, help="wall-time budget of this run (then checkpoint)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
@@ -67,6 +90,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from the weights (and options) of an exported head of the same method and target, "
                         "e.g. a shipped one, instead of a fresh head: fine-tuning on new prompts")
+
+
+def _add_capture_args(p: argparse.ArgumentParser) -> None:
+    """Where training runs, how the hidden states are captured, and the exported weights' dtype."""
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--capture-quantization", default="auto", choices=QUANTIZATIONS,
                    help="target weights for the capture forwards (answers always come from the serving configuration; "
@@ -81,6 +108,10 @@ def add_train_parser(sub) -> None:
                    help="extra target layers to store with the head's (one capture can then serve other methods)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="dtype of the exported weights (bfloat16 halves the file)")
+
+
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    """Options of the head's constructor, named or KEY=VALUE."""
     g = p.add_argument_group("method options (passed to the head; see README)")
     g.add_argument("--num-heads", type=int, default=None, help="medusa heads")
     g.add_argument("--depth", type=int, default=None, help="mtp modules (draft positions)")
@@ -89,7 +120,6 @@ def add_train_parser(sub) -> None:
     g.add_argument("--num-layers", type=int, default=None, help="draft_model decoder layers")
     g.add_argument("--head-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other constructor option of the head (VALUE parsed as JSON when it parses)")
-    p.set_defaults(func=cmd_train)
 
 
 def method_options(args) -> dict:
@@ -112,8 +142,6 @@ def _slug(name: str) -> str:
 
 
 def _data_dir(args, target_name: str) -> Path:
-    from tandem.paths import cache_root
-
     return Path(args.data_dir) if args.data_dir else cache_root() / "train" / _slug(target_name)
 
 
@@ -129,15 +157,6 @@ def _capture_plan(answers_dir: Path, needed: tuple[int, ...], extra: list[int]) 
 
 
 def cmd_train(args) -> int:
-    import torch
-
-    from tandem.drafters.heads.base import TargetParts
-    from tandem.drafters.heads.io import build_head, load_head, read_head_config, save_head
-    from tandem.llm import LLM
-    from tandem.model.loader import load_model
-    from tandem.train.data import DistillConfig, distill, load_prompts
-    from tandem.train.trainer import CHECKPOINT, TrainConfig, train
-
     t_start = time.perf_counter()
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
@@ -145,76 +164,21 @@ def cmd_train(args) -> int:
         eval_k=args.eval_k, max_minutes=args.max_minutes, seed=args.seed, device=args.device,
     )
     options = method_options(args)
-    if args.max_prompt_context < 0:
-        raise ValueError(f"--max-prompt-context must be >= 0 (0 = the whole prompt), got {args.max_prompt_context}")
-    if args.resume and not (Path(args.out) / CHECKPOINT).exists():
-        raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
-    if args.init_from:
-        init_method = read_head_config(args.init_from)["method"]  # also: a clear error when there is no head
-        if init_method != args.method:
-            raise ValueError(f"--init-from {args.init_from} holds a {init_method} head, not {args.method}")
-        if options:
-            raise ValueError(f"--init-from {args.init_from}: the head keeps its own options; drop {sorted(options)}")
-    if args.max_data_minutes is not None and args.max_data_minutes < 0:
-        raise ValueError(f"--max-data-minutes must be >= 0, got {args.max_data_minutes}")
-    backend = args.backend if args.backend != "auto" else ("transformers" if args.device == "cuda" else "tandem")
-    if backend == "transformers" and args.temperature != 0:
-        raise ValueError("--backend transformers answers greedily only; use --backend tandem for --temperature > 0")
-    if backend == "transformers" and (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
-        raise ValueError("--capture-quantization / --capture-dtype set the tandem backend's capture; "
-                         "the transformers backend always runs the dense float32 weights")
+    backend = _check_train_args(args, options)
     files = [Path(f) for f in args.prompts] if args.prompts else default_prompt_files()
     split = load_prompts(files, num_prompts=args.num_prompts, held_out=args.held_out, seed=args.seed)
     deadline = None if args.max_data_minutes is None else time.monotonic() + 60 * args.max_data_minutes
 
     # 1. Self-distillation: the target answers the prompts (the held-out ones first, always all of them).
-    if backend == "tandem":  # in the serving configuration: the distribution drafts are verified against
-        batch = args.generation_batch or 32
-        llm = LLM(args.target, device=args.device, max_num_seqs=batch, max_model_len=1024)
-        loaded = llm.loaded
-        dcfg = DistillConfig(target=loaded.name, quantization=loaded.quantization, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, seed=args.seed)
-        answers_dir = _data_dir(args, loaded.name) / f"answers-t{args.temperature:g}-n{args.max_new_tokens}-s{args.seed}"
-        held_records = distill(llm, split.held_out, answers_dir, dcfg, shard_size=batch)
-        train_records = distill(llm, split.train, answers_dir, dcfg, shard_size=batch, deadline=deadline)
-        del llm  # frees the engine's KV cache
-        forward_model = loaded  # runs the capture forwards
-        if (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
-            forward_model = load_model(args.target, dtype=args.capture_dtype, quantization=args.capture_quantization,
-                                       device=args.device)
-    else:  # the same weights, dense float32, through transformers
-        from tandem.train.hf_backend import distill_hf, load_hf_target
-
-        batch = args.generation_batch or 256
-        loaded = load_model(args.target, dtype="float32", quantization="none", device="cpu")
-        forward_model, hf_tokenizer = load_hf_target(args.target, args.device)
-        eos = set(loaded.config.eos_token_ids) | ({hf_tokenizer.eos_token_id} if hf_tokenizer.eos_token_id is not None else set())
-        dcfg = DistillConfig(target=loaded.name, quantization="transformers-float32", max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, seed=args.seed)
-        answers_dir = _data_dir(args, loaded.name) / f"answers-transformers-t0-n{args.max_new_tokens}-s{args.seed}"
-        held_records = distill_hf(forward_model, hf_tokenizer, eos, split.held_out, answers_dir, dcfg, batch_size=batch)
-        train_records = distill_hf(forward_model, hf_tokenizer, eos, split.train, answers_dir, dcfg, batch_size=batch,
-                                   deadline=deadline)
+    answer = _distill_tandem if backend == "tandem" else _distill_transformers
+    loaded, forward_model, dcfg, answers_dir, held_records, train_records = answer(args, split, deadline)
     if not train_records:
         raise ValueError("no training prompt is answered yet; raise --max-data-minutes")
 
     # 2. The head, and the hidden states it needs.
     torch.manual_seed(args.seed)
     target = TargetParts.from_loaded(loaded)
-    if args.init_from:
-        head = load_head(args.init_from, target).train()
-    else:
-        build_options = dict(options)
-        if "draft_vocab_size" in options:  # the reduced vocabulary = the most frequent answer tokens
-            V = loaded.config.vocab_size
-            counts = torch.zeros(V)
-            for r in train_records:
-                counts += torch.bincount(torch.tensor(r["answer_ids"], dtype=torch.long), minlength=V)[:V]
-            build_options["token_counts"] = counts
-        try:
-            head = build_head(args.method, target, **build_options)
-        except TypeError as err:
-            raise ValueError(f"--method {args.method} does not take options {sorted(options)}: {err}") from err
+    head = _initial_head(args, target, loaded, options, train_records)
     layers = tuple(head.hidden_layers)
     hidden = _hidden_states(args, loaded.name, forward_model, answers_dir, train_records, held_records, layers)
     del forward_model  # a transformers copy gives its memory back before training
@@ -248,14 +212,94 @@ def cmd_train(args) -> int:
     dtype = torch.bfloat16 if args.export_dtype == "bfloat16" else torch.float32
     save_head(head.cpu(), args.out, loaded.name, extra_record=record, dtype=dtype, tokenizer=loaded.tokenizer)
     Path(args.out, RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    _print_result(args, loaded.name, result, cfg.steps)
+    return 0
+
+
+def _check_train_args(args, options: dict) -> str:
+    """Reject flag combinations that cannot work before anything is loaded; returns the backend."""
+    if args.max_prompt_context < 0:
+        raise ValueError(f"--max-prompt-context must be >= 0 (0 = the whole prompt), got {args.max_prompt_context}")
+    if args.resume and not (Path(args.out) / CHECKPOINT).exists():
+        raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
+    if args.init_from:
+        init_method = read_head_config(args.init_from)["method"]  # also: a clear error when there is no head
+        if init_method != args.method:
+            raise ValueError(f"--init-from {args.init_from} holds a {init_method} head, not {args.method}")
+        if options:
+            raise ValueError(f"--init-from {args.init_from}: the head keeps its own options; drop {sorted(options)}")
+    if args.max_data_minutes is not None and args.max_data_minutes < 0:
+        raise ValueError(f"--max-data-minutes must be >= 0, got {args.max_data_minutes}")
+    backend = args.backend if args.backend != "auto" else ("transformers" if args.device == "cuda" else "tandem")
+    if backend == "transformers" and args.temperature != 0:
+        raise ValueError("--backend transformers answers greedily only; use --backend tandem for --temperature > 0")
+    if backend == "transformers" and (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
+        raise ValueError("--capture-quantization / --capture-dtype set the tandem backend's capture; "
+                         "the transformers backend always runs the dense float32 weights")
+    return backend
+
+
+def _distill_tandem(args, split: PromptSplit, deadline: float | None):
+    """Answers from tandem's engine, in the serving configuration: the distribution drafts are
+    verified against. Returns (loaded target, the model of the capture forwards, distillation
+    config, answers directory, held-out records, training records)."""
+    batch = args.generation_batch or 32
+    llm = LLM(args.target, device=args.device, max_num_seqs=batch, max_model_len=1024)
+    loaded = llm.loaded
+    dcfg = DistillConfig(target=loaded.name, quantization=loaded.quantization, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, seed=args.seed)
+    answers_dir = _data_dir(args, loaded.name) / f"answers-t{args.temperature:g}-n{args.max_new_tokens}-s{args.seed}"
+    held_records = distill(llm, split.held_out, answers_dir, dcfg, shard_size=batch)
+    train_records = distill(llm, split.train, answers_dir, dcfg, shard_size=batch, deadline=deadline)
+    del llm  # frees the engine's KV cache
+    forward_model = loaded  # runs the capture forwards
+    if (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
+        forward_model = load_model(args.target, dtype=args.capture_dtype, quantization=args.capture_quantization,
+                                   device=args.device)
+    return loaded, forward_model, dcfg, answers_dir, held_records, train_records
+
+
+def _distill_transformers(args, split: PromptSplit, deadline: float | None):
+    """Answers from the same weights, dense float32, through transformers; returns what
+    _distill_tandem returns (the capture forwards run the transformers model)."""
+    batch = args.generation_batch or 256
+    loaded = load_model(args.target, dtype="float32", quantization="none", device="cpu")
+    forward_model, hf_tokenizer = load_hf_target(args.target, args.device)
+    eos = set(loaded.config.eos_token_ids) | ({hf_tokenizer.eos_token_id} if hf_tokenizer.eos_token_id is not None else set())
+    dcfg = DistillConfig(target=loaded.name, quantization="transformers-float32", max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, seed=args.seed)
+    answers_dir = _data_dir(args, loaded.name) / f"answers-transformers-t0-n{args.max_new_tokens}-s{args.seed}"
+    held_records = distill_hf(forward_model, hf_tokenizer, eos, split.held_out, answers_dir, dcfg, batch_size=batch)
+    train_records = distill_hf(forward_model, hf_tokenizer, eos, split.train, answers_dir, dcfg, batch_size=batch,
+                               deadline=deadline)
+    return loaded, forward_model, dcfg, answers_dir, held_records, train_records
+
+
+def _initial_head(args, target: TargetParts, loaded: LoadedModel, options: dict, train_records: list[dict]):
+    """The head to train: an exported one (--init-from), or a fresh one with the method options."""
+    if args.init_from:
+        return load_head(args.init_from, target).train()
+    build_options = dict(options)
+    if "draft_vocab_size" in options:  # the reduced vocabulary = the most frequent answer tokens
+        V = loaded.config.vocab_size
+        counts = torch.zeros(V)
+        for r in train_records:
+            counts += torch.bincount(torch.tensor(r["answer_ids"], dtype=torch.long), minlength=V)[:V]
+        build_options["token_counts"] = counts
+    try:
+        return build_head(args.method, target, **build_options)
+    except TypeError as err:
+        raise ValueError(f"--method {args.method} does not take options {sorted(options)}: {err}") from err
+
+
+def _print_result(args, target_name: str, result: TrainResult, steps: int) -> None:
     ev = result.eval
-    state = "finished" if result.finished else f"stopped at step {result.step}/{cfg.steps} (continue with --resume)"
-    print(f"{args.method} head for {loaded.name}: {state}; exported to {args.out}")
+    state = "finished" if result.finished else f"stopped at step {result.step}/{steps} (continue with --resume)"
+    print(f"{args.method} head for {target_name}: {state}; exported to {args.out}")
     if ev is not None:
         print(f"held-out ({ev.positions} positions): tau {ev.tau:.3f} (engine-like chain tau {ev.chain_tau:.3f}), "
               "acceptance per position "
               + " ".join(f"{a:.3f}" for a in ev.acceptance))
-    return 0
 
 
 def _hidden_states(args, target_name: str, model, answers_dir: Path, train_records: list[dict],
@@ -263,10 +307,6 @@ def _hidden_states(args, target_name: str, model, answers_dir: Path, train_recor
     """The target's hidden states over the answered sequences: (train data, held-out data, capture
     setting), or None when --data-only stops after caching them. model: a tandem LoadedModel (the
     engine backend) or a transformers causal LM."""
-    from tandem.model.loader import LoadedModel
-    from tandem.train.capture import CapturedData, capture_in_memory, engine_forward_factory, sequences, write_captures
-    from tandem.train.hf_backend import hf_forward_factory
-
     if isinstance(model, LoadedModel):  # the engine: few sequences per forward suit a CPU
         batch, num_layers = 8, model.config.num_layers
         factory = engine_forward_factory(model, batch)

@@ -17,6 +17,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from tandem.config import SamplingParams
+
 log = logging.getLogger("tandem.train")
 
 # The evaluation sets: a drafter trained on them would report inflated acceptance.
@@ -189,8 +193,6 @@ def distill(llm, prompts: list[str], directory: str | Path, cfg: DistillConfig, 
     unfinished shard and never redoes a finished prompt. deadline (a time.monotonic() value): stop
     starting new shards after it and return the records finished so far.
     """
-    from tandem.config import SamplingParams
-
     def answer(prompts_ids: list[list[int]], prompts_text: list[str]) -> list[tuple[list[int], str]]:
         params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=_prompt_seed(cfg, p))
                   for p in prompts_text]
@@ -209,8 +211,6 @@ def answer_prompts(prompts: list[str], directory: str | Path, cfg: DistillConfig
     by_length: answer the prompts in order of length (less padding for a padded batch).
     Returns the finished records in the order of `prompts` (all of them unless the deadline hit).
     """
-    from tqdm.auto import tqdm
-
     directory = Path(directory)
     check_cache_meta(directory, asdict(cfg))
     done = {r["key"]: r for r in read_answers(directory)}

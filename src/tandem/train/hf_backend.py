@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.llm import chat_token_ids
+from tandem.model.loader import float_checkpoint
 from tandem.train.capture import Sequence, write_captures
 from tandem.train.data import DistillConfig, answer_prompts
 
@@ -24,9 +26,7 @@ log = logging.getLogger("tandem.train")
 
 def load_hf_target(name: str, device: str, dtype: torch.dtype = torch.float32):
     """(transformers causal LM on `device` in eval mode, its tokenizer) for a tandem model name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tandem.model.loader import float_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: ~1 s to import, the transformers backend only
 
     hf_dir = float_checkpoint(name)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
@@ -35,8 +35,6 @@ def load_hf_target(name: str, device: str, dtype: torch.dtype = torch.float32):
 
 def encode_chat(tokenizer, prompt: str, chat: bool) -> list[int]:
     """A user prompt -> token ids, through the chat template when asked and the tokenizer has one."""
-    from tandem.llm import chat_token_ids
-
     if chat and getattr(tokenizer, "chat_template", None) is not None:
         return chat_token_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
@@ -47,7 +45,7 @@ def distill_hf(model, tokenizer, eos_ids: set[int], prompts: list[str], director
     """`data.distill` through batched greedy `generate`: prompts of similar length are answered
     together (left-padded); each answer ends after its first EOS id (kept, as the engine keeps it)
     or at max_new_tokens."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazy: ~1 s to import, the transformers backend only
 
     if cfg.temperature != 0:
         raise ValueError("the transformers backend answers greedily only; sample with --backend tandem")

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from tandem.drafters.heads.base import DraftHead, TargetParts
 from tandem.train.capture import CapturedData
@@ -201,54 +202,19 @@ def train(
     """Optimise head.training_loss for cfg.steps steps (or until max_minutes), checkpointing into
     out_dir/checkpoint.pt and logging held-out evaluations into out_dir/metrics.json.
     eval_first: evaluate the head before the first step too (a head that starts trained)."""
-    from tqdm.auto import tqdm
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(cfg.device)
-    head.to(device).train()
-    if target.lm_head_weight is not None and target.lm_head_weight.device != device:
-        # Heads with a reduced vocabulary slice it every step: one copy on the device, not one per step.
-        target = dataclasses.replace(target, lm_head_weight=target.lm_head_weight.to(device))
-    params = [p for p in head.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(f"the {head.method} head has no trainable parameters")
-    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, cfg))
-    step, seconds_before, history = 0, 0.0, []
+    target, params, optim, sched = _prepare(head, target, cfg, device)
     ckpt_path = out / CHECKPOINT
-    if resume:
-        if not ckpt_path.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; start without --resume")
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if ckpt["method"] != head.method or ckpt["head_config"] != head.config_dict():
-            raise ValueError(
-                f"{ckpt_path} holds a {ckpt['method']} head {ckpt['head_config']}, not {head.method} "
-                f"{head.config_dict()}; use the same method options or another --out"
-            )
-        head.load_state_dict(ckpt["head"])
-        optim.load_state_dict(ckpt["optim"])
-        sched.load_state_dict(ckpt["sched"])
-        step, seconds_before, history = ckpt["step"], ckpt["seconds"], ckpt["history"]
-        _set_rng_state(ckpt["rng"])
+    step, seconds_before, history = _resume(ckpt_path, head, optim, sched, device) if resume else (0, 0.0, [])
 
     def checkpoint() -> None:
-        _save(ckpt_path, {
-            "method": head.method, "head_config": head.config_dict(), "head": head.state_dict(),
-            "optim": optim.state_dict(), "sched": sched.state_dict(), "step": step,
-            "seconds": seconds_before + (time.perf_counter() - t0), "history": history, "rng": _rng_state(),
-            "train_config": asdict(cfg),
-        })
+        seconds = seconds_before + (time.perf_counter() - t0)
+        _save(ckpt_path, _checkpoint_state(head, optim, sched, cfg, step, seconds, history))
 
     def run_eval() -> EvalResult | None:
-        if held_out is None:
-            return None
-        result = evaluate(head, target, held_out, cfg.eval_k, cfg.device, cfg.batch_size)
-        history.append({"step": step, "eval": asdict(result)})
-        log.info("step %d: held-out tau %.3f (engine-like chain tau %.3f), acceptance per position %s", step,
-                 result.tau, result.chain_tau, result.acceptance)
-        (out / METRICS).write_text(json.dumps({"history": history}, indent=1))
-        return result
+        return _run_eval(head, target, held_out, cfg, step, history, out)
 
     t0, first_step = time.perf_counter(), step
     deadline = None if cfg.max_minutes is None else t0 + 60 * cfg.max_minutes
@@ -266,35 +232,106 @@ def train(
         if epoch not in plans:
             plans = {epoch: data.epoch_plan(epoch, cfg.batch_size, cfg.seed)}
         shard, idx = plans[epoch][pos]
-        batch = data.batch(shard, idx, device)
-        loss, metrics = head.training_loss(batch, target)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{head.method} loss became {float(loss)} at step {step}; lower --lr")
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optim.step()
-        sched.step()
+        last_loss, metrics, grad_norm = _optimiser_step(head, target, data.batch(shard, idx, device), params, optim,
+                                                        sched, cfg, step)
         step += 1
-        last_loss = float(loss.detach())
         bar.update(1)
         bar.set_postfix(loss=f"{last_loss:.3f}", epoch=epoch)
         if step % 10 == 0 or step == cfg.steps:
-            history.append({"step": step, "loss": round(last_loss, 5), "lr": sched.get_last_lr()[0],
-                            "grad_norm": round(float(grad_norm), 4),
-                            **{k: round(v, 5) for k, v in metrics.items() if k != "loss"}})
-            log.info("step %d/%d: loss %.4f (%.3f s/step)", step, cfg.steps, last_loss,
-                     (time.perf_counter() - t0) / max(1, step - first_step))
+            _log_step(history, step, cfg, last_loss, sched.get_last_lr()[0], grad_norm, metrics,
+                      (time.perf_counter() - t0) / max(1, step - first_step))
         if step % cfg.eval_every == 0 or step == cfg.steps:
             last_eval = run_eval()
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             checkpoint()
     bar.close()
+    last_eval = _wrap_up(step, cfg, last_eval, run_eval, checkpoint)
+    seconds = seconds_before + time.perf_counter() - t0
+    return TrainResult(step, step >= cfg.steps, seconds, last_loss, last_eval, history)
+
+
+def _wrap_up(step: int, cfg: TrainConfig, last_eval: EvalResult | None, run_eval, checkpoint) -> EvalResult | None:
+    """After the loop; returns the last evaluation."""
     if step < cfg.steps:  # stopped by the time budget: evaluate where it stands, then checkpoint
         if step % cfg.eval_every:
             last_eval = run_eval()
         checkpoint()
     elif last_eval is None:  # resumed after the last step: report the final state
         last_eval = run_eval()
-    seconds = seconds_before + time.perf_counter() - t0
-    return TrainResult(step, step >= cfg.steps, seconds, last_loss, last_eval, history)
+    return last_eval
+
+
+def _prepare(head: DraftHead, target: TargetParts, cfg: TrainConfig, device: torch.device):
+    """The head on `device` in training mode; (target, trainable parameters, AdamW, LR schedule)."""
+    head.to(device).train()
+    if target.lm_head_weight is not None and target.lm_head_weight.device != device:
+        # Heads with a reduced vocabulary slice it every step: one copy on the device, not one per step.
+        target = dataclasses.replace(target, lm_head_weight=target.lm_head_weight.to(device))
+    params = [p for p in head.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"the {head.method} head has no trainable parameters")
+    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: lr_factor(s, cfg))
+    return target, params, optim, sched
+
+
+def _resume(ckpt_path: Path, head: DraftHead, optim, sched, device: torch.device) -> tuple[int, float, list[dict]]:
+    """Restore head, optimiser, schedule and RNG states from the checkpoint; (step, seconds, history)."""
+    if not ckpt_path.exists():
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; start without --resume")
+    ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+    if ckpt["method"] != head.method or ckpt["head_config"] != head.config_dict():
+        raise ValueError(
+            f"{ckpt_path} holds a {ckpt['method']} head {ckpt['head_config']}, not {head.method} "
+            f"{head.config_dict()}; use the same method options or another --out"
+        )
+    head.load_state_dict(ckpt["head"])
+    optim.load_state_dict(ckpt["optim"])
+    sched.load_state_dict(ckpt["sched"])
+    _set_rng_state(ckpt["rng"])
+    return ckpt["step"], ckpt["seconds"], ckpt["history"]
+
+
+def _checkpoint_state(head: DraftHead, optim, sched, cfg: TrainConfig, step: int, seconds: float,
+                      history: list[dict]) -> dict:
+    return {
+        "method": head.method, "head_config": head.config_dict(), "head": head.state_dict(),
+        "optim": optim.state_dict(), "sched": sched.state_dict(), "step": step,
+        "seconds": seconds, "history": history, "rng": _rng_state(),
+        "train_config": asdict(cfg),
+    }
+
+
+def _run_eval(head: DraftHead, target: TargetParts, held_out: CapturedData | None, cfg: TrainConfig, step: int,
+              history: list[dict], out: Path) -> EvalResult | None:
+    """Evaluate on the held-out data (if any), append it to `history` and rewrite metrics.json."""
+    if held_out is None:
+        return None
+    result = evaluate(head, target, held_out, cfg.eval_k, cfg.device, cfg.batch_size)
+    history.append({"step": step, "eval": asdict(result)})
+    log.info("step %d: held-out tau %.3f (engine-like chain tau %.3f), acceptance per position %s", step,
+             result.tau, result.chain_tau, result.acceptance)
+    (out / METRICS).write_text(json.dumps({"history": history}, indent=1))
+    return result
+
+
+def _optimiser_step(head: DraftHead, target: TargetParts, batch, params: list, optim, sched, cfg: TrainConfig,
+                    step: int) -> tuple[float, dict, torch.Tensor]:
+    """One clipped AdamW step on `batch`; (loss, the head's metrics, gradient norm before clipping)."""
+    loss, metrics = head.training_loss(batch, target)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"{head.method} loss became {float(loss)} at step {step}; lower --lr")
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optim.step()
+    sched.step()
+    return float(loss.detach()), metrics, grad_norm
+
+
+def _log_step(history: list[dict], step: int, cfg: TrainConfig, loss: float, lr: float, grad_norm: torch.Tensor,
+              metrics: dict, seconds_per_step: float) -> None:
+    history.append({"step": step, "loss": round(loss, 5), "lr": lr,
+                    "grad_norm": round(float(grad_norm), 4),
+                    **{k: round(v, 5) for k, v in metrics.items() if k != "loss"}})
+    log.info("step %d/%d: loss %.4f (%.3f s/step)", step, cfg.steps, loss, seconds_per_step)

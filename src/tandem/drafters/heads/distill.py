@@ -145,6 +145,15 @@ class DraftModelHead(DraftHead):
     # ---- export: a model directory the draft_model drafter loads ---------------------------------
 
     def export(self, out_dir, target_name: str, tokenizer, dtype: torch.dtype) -> None:
+        """A Hugging Face llama directory (weights, config.json, the target's tokenizer) that
+        the draft_model drafter, or transformers, loads."""
+        parts = self._check_exportable(tokenizer)
+        out = Path(out_dir)
+        save_file(self._llama_state(parts, dtype), str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(self._llama_config(target_name, dtype), indent=2) + "\n")
+        tokenizer.save_pretrained(str(out))
+
+    def _check_exportable(self, tokenizer):
         cfg = self.cfg
         if cfg.activation != "silu" or cfg.embed_scale is not None or cfg.final_logit_softcap:
             raise ValueError(
@@ -165,7 +174,10 @@ class DraftModelHead(DraftHead):
         parts = getattr(self, "target_parts", None)
         if parts is None or parts.embed_weight is None or parts.lm_head_weight is None:
             raise ValueError("draft_model export copies the target's embedding: build or load the head with TargetParts.from_loaded")
-        out = Path(out_dir)
+        return parts
+
+    def _llama_state(self, parts, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
 
         def t(x: torch.Tensor) -> torch.Tensor:
             return x.detach().to(dtype).cpu().contiguous()
@@ -190,12 +202,15 @@ class DraftModelHead(DraftHead):
                 p + "mlp.up_proj.weight": t(up),
                 p + "mlp.down_proj.weight": t(block.down.weight),
             })
-        save_file(state, str(out / "model.safetensors"))
+        return state
+
+    def _llama_config(self, target_name: str, dtype: torch.dtype) -> dict:
+        cfg = self.cfg
         theta, scaling = cfg.rope_tables[cfg.layer_rope[-1]]
-        config = {
+        return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
-            "vocab_size": V,
+            "vocab_size": self.vocab_size,
             "hidden_size": cfg.hidden_size,
             "intermediate_size": self.layers[0].down.in_features,
             "num_hidden_layers": len(self.layers),
@@ -215,5 +230,3 @@ class DraftModelHead(DraftHead):
             "torch_dtype": str(dtype).removeprefix("torch."),
             "tandem_draft_model_of": target_name,
         }
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tokenizer.save_pretrained(str(out))
