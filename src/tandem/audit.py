@@ -47,6 +47,7 @@ from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator, processed_probs
 from tandem.verify import grading
+from tandem.verify.paths import rooted_parents
 from tandem.verify.stats import chi_square_test, total_variation, tv_bound
 
 MIN_GROUP = 200  # fewer samples than this: the check is skipped
@@ -202,7 +203,7 @@ class Auditor:
                           for inp, d in zip(inputs, drafter.propose(inputs))]
                 fwd = self.runner.forward([
                     SeqInput(self.rows[i], [self.ctx[-1], *d.token_ids], logits="all",
-                             parents=None if d.parents is None else [-1] + [p + 1 for p in d.parents])
+                             parents=rooted_parents(d.parents))
                     for i, d in enumerate(drafts)
                 ], token_by_token=True)
                 outcomes = []

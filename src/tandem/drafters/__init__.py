@@ -20,7 +20,7 @@ from tandem.drafters import cross_tokenizer  # noqa: E402,F401
 from tandem.drafters import medusa  # noqa: E402,F401
 from tandem.drafters import eagle  # noqa: E402,F401
 from tandem.drafters import mtp  # noqa: E402,F401
-from tandem.drafters.heads import distill as _draft_model_head  # noqa: E402,F401
+from tandem.drafters.heads import draft_model as _draft_model_head  # noqa: E402,F401
 from tandem.drafters.heads import eagle as _eagle_head  # noqa: E402,F401
 from tandem.drafters.heads import eagle3 as _eagle3_head  # noqa: E402,F401
 from tandem.drafters.heads import medusa as _medusa_head  # noqa: E402,F401

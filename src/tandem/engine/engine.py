@@ -32,6 +32,7 @@ from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy, create_policy
 from tandem.types import Draft, SpecStats
 from tandem.verify import grading
+from tandem.verify.paths import rooted_parents
 
 log = logging.getLogger("tandem.engine")
 
@@ -172,7 +173,7 @@ class Engine:
         sequence to the longest)."""
         inputs = [
             SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all",
-                     parents=None if d.parents is None else [-1] + [p + 1 for p in d.parents])
+                     parents=rooted_parents(d.parents))
             for r, d in zip(batch, drafts)
         ]
         needs = self.drafter.needs.hidden_layers if self.drafter else ()

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_loaded
 from heads_fixtures import expected_tau, hf_tokenizer, make_batch, parts, sharp_target, train
 from tandem.drafters.heads.base import TargetParts
-from tandem.drafters.heads.distill import spaced_layers
+from tandem.drafters.heads.draft_model import spaced_layers
 from tandem.drafters.heads.io import build_head, load_head, save_head
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import load_model
