@@ -9,7 +9,7 @@ prompt = "Explain in detail how photosynthesis works in plants."
 which = sys.argv[1]
 if which == "hf":
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from tandem.model.loader import resolve_model
+    from tandem.model.catalogue import resolve_model
     src = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(str(src.hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=torch.float32).eval()
@@ -20,7 +20,7 @@ if which == "hf":
         t = time.thread_time(); model.generate(ids, **gen); dt = time.thread_time() - t
 elif which == "llamacpp":
     from llama_cpp import Llama
-    from tandem.model.loader import resolve_model
+    from tandem.model.catalogue import resolve_model
     llm = Llama(model_path=str(resolve_model("smollm2-135m-instruct").gguf_path), n_ctx=512, n_threads=1, verbose=False)
     eos = llm.token_eos()
     def no_eos(_ids, logits):

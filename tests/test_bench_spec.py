@@ -258,7 +258,8 @@ def test_parse_methods():
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from tandem.model.loader import ModelNotFoundError, _ensure_gguf_metadata, resolve_model
+    from tandem.model.catalogue import ModelNotFoundError, resolve_model
+    from tandem.model.loader import _ensure_gguf_metadata
 
     try:
         src = resolve_model("smollm2-135m-instruct")

@@ -23,7 +23,7 @@ from tandem.model.gguf_native import (
     to_linear,
     unpermute_llama_qk,
 )
-from tandem.model import loader
+from tandem.model import catalogue
 from tandem.model.quant import DenseLinear, Int4Linear, Int8Linear
 
 def _bundled(fn) -> Path:
@@ -33,7 +33,7 @@ def _bundled(fn) -> Path:
         return Path("/nonexistent.gguf")
 
 
-SMOLLM2 = _bundled(loader._smollm2_gguf)
+SMOLLM2 = _bundled(catalogue._smollm2_gguf)
 # Assembling Gemma's file costs ~250 MB and seconds; slow tests only use it when it is there.
 GEMMA3 = cache_root() / "gguf" / "gemma-3-270m-q4_k_m.gguf"
 needs_smollm2 = pytest.mark.skipif(not SMOLLM2.exists(), reason="bundled SmolLM2 GGUF missing")

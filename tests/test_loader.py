@@ -7,7 +7,8 @@ import torch
 
 from conftest import build_tiny
 from tandem.model.arch import UnsupportedArchitectureError
-from tandem.model.loader import ModelNotFoundError, load_model, resolve_model
+from tandem.model.catalogue import ModelNotFoundError, resolve_model
+from tandem.model.loader import load_model
 
 
 def test_unknown_name_lists_builtins():

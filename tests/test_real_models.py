@@ -5,7 +5,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.model.kv_cache import KVCache
-from tandem.model.loader import resolve_model
+from tandem.model.catalogue import resolve_model
 from tandem.model.runner import ModelRunner, SeqInput
 
 pytestmark = pytest.mark.slow

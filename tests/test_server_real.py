@@ -11,7 +11,7 @@ import pytest
 
 from tandem.config import SamplingParams
 from tandem.launch_server import add_serve_args, build_server_app, configs_from_args, serve_in_background
-from tandem.model.loader import DEFAULT_DRAFTERS, DEFAULT_MODEL
+from tandem.model.catalogue import DEFAULT_DRAFTERS, DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,8 @@ from tandem.bench.spec import (
 from tandem.config import DTYPES, QUANTIZATIONS, EngineConfig
 from tandem.llm import LLM, configure_threads
 from tandem.model.cost import forward_cost_curve
-from tandem.model.loader import DEFAULT_MODEL, load_model
+from tandem.model.catalogue import DEFAULT_MODEL
+from tandem.model.loader import load_model
 from tandem.scheduler.cost_model import CostCurve, best_k, break_even_batch, expected_tau, speedup
 
 K_MAX = 8

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS, SamplingParams
-from tandem.model.loader import DEFAULT_MODEL
+from tandem.model.catalogue import DEFAULT_MODEL
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

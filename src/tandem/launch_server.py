@@ -22,7 +22,8 @@ from tandem.config import SPEC_POLICIES, EngineConfig, ServerConfig, SpecConfig
 from tandem.engine.engine import Engine
 from tandem.flags import add_model_args, add_spec_args
 from tandem.llm import configure_threads
-from tandem.model.loader import DEFAULT_DRAFTERS, load_model
+from tandem.model.catalogue import DEFAULT_DRAFTERS
+from tandem.model.loader import load_model
 from tandem.scheduler.profile import cost_curve_for
 from tandem.server.app import build_app
 from tandem.server.async_engine import AsyncEngine

@@ -11,7 +11,8 @@ import torch
 
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engine.engine import Engine
-from tandem.model.loader import DEFAULT_MODEL, load_model
+from tandem.model.catalogue import DEFAULT_MODEL
+from tandem.model.loader import load_model
 from tandem.scheduler.profile import cost_curve_for
 from tandem.types import RequestOutput
 

@@ -28,7 +28,8 @@ from tandem.config import SamplingParams
 from tandem.llm import LLM
 from tandem.model.kernels import kernel_description
 from tandem.model.cost import CONTEXT_FOR_CURVE, CURVE_SIZES, fastest_of, forward_cost_curve
-from tandem.model.loader import float_checkpoint, load_model, resolve_model
+from tandem.model.catalogue import resolve_model
+from tandem.model.loader import float_checkpoint, load_model
 
 
 # The clock every timing in a run uses: wall time, or with --cpu-time the CPU time of the calling

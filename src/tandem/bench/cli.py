@@ -11,7 +11,7 @@ from tandem.bench.spec_merge import merge_command
 from tandem.bench.spec_report import bench_spec
 from tandem.config import DTYPES, QUANTIZATIONS
 from tandem.llm import configure_threads
-from tandem.model.loader import DEFAULT_MODEL
+from tandem.model.catalogue import DEFAULT_MODEL
 
 
 def add_bench_parser(sub) -> None:

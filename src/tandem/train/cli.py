@@ -19,7 +19,8 @@ from tandem.config import DEVICES, DTYPES, QUANTIZATIONS
 from tandem.drafters.heads.base import TargetParts
 from tandem.drafters.heads.io import build_head, load_head, read_head_config, save_head
 from tandem.llm import LLM
-from tandem.model.loader import DEFAULT_MODEL, LoadedModel, load_model
+from tandem.model.catalogue import DEFAULT_MODEL
+from tandem.model.loader import LoadedModel, load_model
 from tandem.paths import cache_root
 from tandem.train.capture import CapturedData, capture_in_memory, engine_forward_factory, sequences, write_captures
 from tandem.train.data import DistillConfig, PromptSplit, distill, load_prompts
