@@ -96,8 +96,13 @@ def _compile_flags(variant: Variant, flags: frozenset[str]) -> tuple[str, ...] |
 
 def supported_variants() -> list[str]:
     """The block-kernel variants this CPU can run, best first."""
-    flags = cpu_flags()
-    return [v.name for v in VARIANTS if _compile_flags(v, flags) is not None]
+    return list(_supported(cpu_flags()))
+
+
+@functools.cache
+def _supported(flags: frozenset[str]) -> tuple[str, ...]:
+    # Cached per flag set: every block linear's forward asks which kernels run.
+    return tuple(v.name for v in VARIANTS if _compile_flags(v, flags) is not None)
 
 
 def requested_kernels() -> str:
@@ -113,7 +118,7 @@ def selected_variant() -> str | None:
     choice = requested_kernels()
     if choice == "torch":
         return None
-    supported = supported_variants()
+    supported = _supported(cpu_flags())
     if choice == "auto":
         return supported[0] if supported else None
     if choice not in supported:
