@@ -10,9 +10,9 @@ import functools
 
 import pytest
 import torch
-
 from conftest import tiny_loaded
 from heads_fixtures import hf_tokenizer, make_batch, parts, sharp_target, train
+
 from tandem.audit import Auditor, audit_rounds
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters.heads.base import TargetParts
@@ -172,8 +172,8 @@ def test_wrong_target_is_refused(variant, saved):
 def test_served_heads_run_their_linears_on_the_block_kernels(variant, saved):
     """Drafting reads the head's weights one row at a time: on a CPU with the block kernels they
     are served as 8-bit blocks (the trained fp32 module is what `load_head` returns)."""
+    from tandem.model.block_linear import BlockQ8Linear
     from tandem.model.kernels import block_kernels
-    from tandem.model.quant import BlockQ8Linear
 
     if block_kernels() is None:
         pytest.skip("needs an AVX2 CPU and g++")

@@ -5,14 +5,15 @@ other, and TANDEM_KERNELS refuses what the CPU cannot run."""
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ToyTokenizer, build_tiny
+
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.llm import LLM
 from tandem.model import kernels
 from tandem.model.arch import model_config_from_hf
+from tandem.model.block_linear import BlockQ4Linear, BlockQ8Linear
 from tandem.model.loader import LoadedModel, StateDictSource, resolve_kernels
-from tandem.model.quant import BlockQ4Linear, BlockQ8Linear, Int4Linear
+from tandem.model.quant import Int4Linear
 from tandem.model.transformer import TransformerLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")

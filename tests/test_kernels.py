@@ -3,14 +3,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import build_tiny
+
 from tandem.model.arch import model_config_from_hf
+from tandem.model.block_linear import BlockQ4Linear, BlockQ8Linear
 from tandem.model.fused import fused_eligible
 from tandem.model.kernels import GEGLU, RMS_NORM, SWIGLU, block_kernels
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import StateDictSource
-from tandem.model.quant import BlockQ4Linear, BlockQ8Linear
 from tandem.model.runner import ModelRunner, SeqInput
 from tandem.model.transformer import TransformerLM
 
@@ -299,6 +299,7 @@ def test_speculative_greedy_output_equals_plain_on_block_kernels_with_long_promp
     """End to end through the engine: prompts past the fused path's length (the general path),
     batched, greedy; speculative output equals plain output token for token."""
     from conftest import ToyTokenizer
+
     from tandem.config import EngineConfig, SamplingParams, SpecConfig
     from tandem.llm import LLM
     from tandem.model.loader import LoadedModel

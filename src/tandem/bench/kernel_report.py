@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem.model.block_linear import BlockQ4Linear, BlockQ8Linear
 from tandem.model.cost import fastest_of, forward_cost_curve
 from tandem.model.kernels import block_kernels, cpu_flags, cpu_name, kernel_description
-from tandem.model.quant import BlockQ4Linear, BlockQ8Linear
 
 CURVE = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 STEP_CONTEXT = 300
@@ -56,7 +56,9 @@ def measure_bandwidth(mb: int = 1024, repeats: int = 7) -> float:
 def gguf_step_bytes(path) -> int:
     """Bytes of the GGUF's own tensors a decode step reads: all of them, except the token
     embedding when a separate output matrix serves as the LM head (then it is only a lookup)."""
-    from gguf import GGUFReader  # lazy: keeps `tandem --help` fast; only a GGUF target reads one
+    from gguf import (
+        GGUFReader,  # lazy: keeps `tandem --help` fast; only a GGUF target reads one
+    )
 
     tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
     if "output.weight" in tensors:

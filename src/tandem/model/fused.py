@@ -20,9 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from tandem.model.kernels import (GEGLU, SWIGLU, BlockKernels, DecoderShape, LayerParts, TreeKeys, block_kernels,
-                                  decoder_layers)
-from tandem.model.quant import BlockQ4Linear, BlockQ8Linear
+from tandem.model.block_linear import BlockQ4Linear, BlockQ8Linear
+from tandem.model.kernels import (
+    GEGLU,
+    SWIGLU,
+    BlockKernels,
+    DecoderShape,
+    LayerParts,
+    TreeKeys,
+    block_kernels,
+    decoder_layers,
+)
 from tandem.model.transformer import TransformerLM
 
 # Rows per native call: the scratch rows of a call stay a few MB, and a weight read from memory

@@ -19,13 +19,8 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
-from tandem.model.quant import (
-    BLOCK,
-    BlockQ4Linear,
-    DenseLinear,
-    Int4Linear,
-    quantize_linear,
-)
+from tandem.model.block_linear import BLOCK, BlockQ4Linear
+from tandem.model.quant import DenseLinear, Int4Linear, quantize_linear
 
 INT4_GROUP = 32
 

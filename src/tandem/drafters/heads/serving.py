@@ -14,8 +14,8 @@ import torch
 from tandem.config import SpecConfig
 from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
 from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir
+from tandem.model.block_linear import BLOCK, BlockQ8Linear
 from tandem.model.kernels import block_kernels
-from tandem.model.quant import BLOCK, BlockQ8Linear
 from tandem.sampling import (
     NonFiniteLogitsError,
     all_finite,
