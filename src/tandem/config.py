@@ -20,6 +20,14 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16")
 KV_CACHE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16"}
 
 
+def kv_cache_dtype_name(requested: str) -> str:
+    """--kv-cache-dtype's value as one of KV_CACHE_DTYPES (aliases resolved); raises on others."""
+    name = KV_CACHE_ALIASES.get(requested, requested)
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or fp32, fp16), got {requested!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens and when it stops (vLLM-shaped).
@@ -163,8 +171,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype) not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or fp32, fp16), got {self.kv_cache_dtype!r}")
+        kv_cache_dtype_name(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES
+from tandem.config import kv_cache_dtype_name
 from tandem.model.arch import ModelConfig
 from tandem.model.transformer import LayerCache
 
@@ -29,9 +29,7 @@ def kv_cache_dtype(activation_dtype: torch.dtype, device: str | torch.device, re
     the activation dtype on GPUs. float32 / float16 force one. Verification matches plain
     decoding bit for bit within one KV dtype, not across them.
     """
-    name = KV_CACHE_ALIASES.get(requested, requested)
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv cache dtype {requested!r}: choose one of {', '.join(KV_CACHE_DTYPES)} (or fp32, fp16)")
+    name = kv_cache_dtype_name(requested)
     if name != "auto":
         return getattr(torch, name)
     on_cpu = str(device).startswith("cpu")
