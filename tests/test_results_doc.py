@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench import results_doc
-from tandem.bench.results_doc import kind_of, render, slug
+from tandem.bench.results_doc import render
+from tandem.bench.results_format import slug
+from tandem.bench.results_page import kind_of
 
 REPO = Path(__file__).resolve().parents[1]
 
