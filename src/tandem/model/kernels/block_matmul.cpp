@@ -176,11 +176,13 @@ struct Weights {          // one linear layer, as BlockKernels.pack lays it out 
   int q4;
 };
 
+constexpr int kQ8Bias = kVnni ? 128 : 0;  // added to q8 codes in the packed layout
+
 struct QuantizedRows {
   std::vector<int8_t> q;          // [n, K]
   std::vector<float> scale;       // [n, nb]
   std::vector<float> scaled_sum;  // [n, nb]: scale * sum(q), for the q4 offset term
-  std::vector<int32_t> sum;       // [n, nb]: sum(q), for the q8 bias on VNNI
+  std::vector<int32_t> q8_start;  // [n, nb]: -kQ8Bias * sum(q), where a q8 block's sum starts
 };
 
 void quantize_rows(const float* x, int64_t n, int64_t K, QuantizedRows& out) {
@@ -188,7 +190,7 @@ void quantize_rows(const float* x, int64_t n, int64_t K, QuantizedRows& out) {
   out.q.resize(n * K);
   out.scale.resize(n * nb);
   out.scaled_sum.resize(n * nb);
-  out.sum.resize(n * nb);
+  out.q8_start.resize(n * nb);
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
   // Rows are independent: many of them (a prompt) are split over the threads.
 #pragma omp parallel for schedule(static) if (n >= 16)
@@ -218,7 +220,7 @@ void quantize_rows(const float* x, int64_t n, int64_t K, QuantizedRows& out) {
       for (int j = 0; j < 8; ++j) sum += lanes[j];
       out.scale[i * nb + b] = s;
       out.scaled_sum[i * nb + b] = s * static_cast<float>(sum);
-      out.sum[i * nb + b] = sum;
+      out.q8_start[i * nb + b] = -kQ8Bias * sum;
     }
   }
 }
@@ -321,19 +323,20 @@ struct BlockRegs {
 #endif
     }
   }
-  // Integer dot product of the block with one activation block (32 int8 at x), per lane.
-  inline vi dot(const int8_t* x) const {
+  // start + the integer dot product of the block with one activation block (32 int8 at x), per
+  // lane, in two chains (even and odd quads) that hide vpdpbusd's latency.
+  inline vi dot(const int8_t* x, vi start) const {
 #if defined(__AVX512VNNI__) && TANDEM_LANES == 16
     // The 4 activation bytes as vpdpbusd's embedded-broadcast memory operand: one fused uop per
     // quad instead of a broadcast load and the multiply-add (compilers do not fold it).
-    vi even = vzero(), odd = vzero();
+    vi even = start, odd = vzero();
     for (int j = 0; j < 8; j += 2) {
       asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(even) : "v"(w[j]), "m"(*reinterpret_cast<const int32_t*>(x + 4 * j)));
       asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(odd) : "v"(w[j + 1]), "m"(*reinterpret_cast<const int32_t*>(x + 4 * j + 4)));
     }
     return vadd32(even, odd);
 #else
-    vi even = vzero(), odd = vzero();
+    vi even = start, odd = vzero();
     for (int j = 0; j < 8; j += 2) {
       vi xa = vbcast32(x + 4 * j), xb = vbcast32(x + 4 * j + 4);
 #if TANDEM_LANES == 8
@@ -349,8 +352,6 @@ struct BlockRegs {
 #endif
   }
 };
-
-constexpr int kQ8Bias = kVnni ? 128 : 0;  // added to q8 codes in the packed layout
 
 template <bool kQ4, int R>
 void group_rows(const Weights& w, int64_t g, const QuantizedRows& xq, int64_t i0, float* out) {
@@ -369,8 +370,8 @@ void group_rows(const Weights& w, int64_t g, const QuantizedRows& xq, int64_t i0
     const vf mv = kQ4 ? vloadh(mg + b * kLanes) : vzerof();
     for (int i = 0; i < R; ++i) {
       const int64_t row = i0 + i;
-      vi s = regs.dot(xq.q.data() + row * K + b * kBlock);
-      if constexpr (!kQ4 && kQ8Bias != 0) s = vsub32(s, vsplat32(kQ8Bias * xq.sum[row * nb + b]));
+      const vi start = !kQ4 && kQ8Bias != 0 ? vsplat32(xq.q8_start[row * nb + b]) : vzero();
+      const vi s = regs.dot(xq.q.data() + row * K + b * kBlock, start);
       acc[i] = vfma(vcvt(s), vmul(dv, vsplatf(xq.scale[row * nb + b])), acc[i]);
       if constexpr (kQ4) acc[i] = vfma(mv, vsplatf(xq.scaled_sum[row * nb + b]), acc[i]);
     }
