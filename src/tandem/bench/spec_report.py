@@ -94,7 +94,8 @@ def print_table(report: dict) -> None:
     machine = report.get("machine", {})
     if "kernels" in machine:
         print(f"CPU: {machine['cpu']} ({' '.join(machine['isa'])}), {machine['torch_threads']} threads, {machine['kernels']}")
-    head = f"{'configuration':34} {'tau':>5} {'acc':>5}  {'acceptance per position':24} {'tok/s':>7} {'speedup':>8}"
+    head = (f"{'configuration':34} {'tau':>5} {'acc':>5}  {'acceptance per position':24} {'draft ms/tok':>12} "
+            f"{'ms/round':>8} {'tok/s':>7} {'speedup':>8}")
     print(head)
     print("-" * len(head))
     for label, r in _rows(report, OVERALL):
@@ -102,7 +103,14 @@ def print_table(report: dict) -> None:
         acc = f"{r['acceptance_rate']:5.2f}" if r.get("spec", {}).get("num_draft_tokens") else f"{'-':>5}"
         per_pos = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", [])[:6]) or "-"
         speed = f"{r['speedup']:7.2f}x" if "speedup" in r else f"{'1.00x':>8}"
-        print(f"{label:34} {tau} {acc}  {per_pos:24} {r['tokens_per_second']:7.1f} {speed}")
+        draft = r.get("draft") or {}
+        per_token = f"{1000 * r['draft_seconds_per_position']:12.2f}" if draft.get("rounds") else f"{'-':>12}"
+        per_round = f"{1000 * draft['seconds'] / draft['rounds']:8.2f}" if draft.get("rounds") else f"{'-':>8}"
+        print(f"{label:34} {tau} {acc}  {per_pos:24} {per_token} {per_round} {r['tokens_per_second']:7.1f} {speed}")
+    plain_row = report["categories"][OVERALL]["tandem"].get(PLAIN)
+    if plain_row and plain_row["tokens"]:
+        print(f"(plain decoding: {1000 * plain_row['seconds'] / plain_row['tokens']:.2f} ms per token, prompts included: "
+              "the step the draft ms compare with)")
     assisted = (report.get("transformers") or {}).get("assisted")
     if assisted and not assisted["applicable"]:
         print(f"{'transformers assisted':34} not applicable: {assisted['reason']}")
@@ -125,7 +133,8 @@ def print_table(report: dict) -> None:
             print(f"{cat:16}{report['categories'][cat]['num_prompts']:>4}"
                   + "".join(f"{fmt.format(rows[lb][key]):>{w}}" for lb, w in zip(shown, widths)))
     print("\ntau = tokens committed per target forward incl. the bonus/recovered token; acc = accepted / drafted; "
-          "acceptance per position = P(pass | earlier passed); tok/s = mean of per-prompt tokens/s")
+          "acceptance per position = P(pass | earlier passed); draft ms/tok = drafter time per draft position "
+          "asked for, ms/round = per round; tok/s = mean of per-prompt tokens/s")
 
 
 def print_identity(report: dict) -> None:

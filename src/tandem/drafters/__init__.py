@@ -20,6 +20,8 @@ from tandem.drafters import cross_tokenizer  # noqa: E402,F401
 from tandem.drafters import medusa  # noqa: E402,F401
 from tandem.drafters import eagle  # noqa: E402,F401
 from tandem.drafters import mtp  # noqa: E402,F401
+from tandem.drafters import dflash  # noqa: E402,F401
+from tandem.drafters.heads import dflash as _dflash_head  # noqa: E402,F401
 from tandem.drafters.heads import draft_model as _draft_model_head  # noqa: E402,F401
 from tandem.drafters.heads import eagle as _eagle_head  # noqa: E402,F401
 from tandem.drafters.heads import eagle3 as _eagle3_head  # noqa: E402,F401

@@ -24,6 +24,7 @@ import torch
 
 from tandem.drafters.base import DraftInput, DraftOutcome, register
 from tandem.drafters.heads.block import RowCache
+from tandem.drafters.heads.native import NativeBlock
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
 from tandem.drafters.suffix import SuffixDrafter
 from tandem.sampling import all_finite
@@ -37,6 +38,7 @@ class EagleDrafter(HeadDrafter):
     def __init__(self, spec, target) -> None:
         super().__init__(spec, target)
         self.caches: dict[str, RowCache] = {}
+        self.native = NativeBlock.of(self.head.block)
         self.lookup = None
         if spec.tree and spec.tree_lookup:
             self.lookup = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1), target)
@@ -93,7 +95,7 @@ class EagleDrafter(HeadDrafter):
             ids = torch.tensor([tokens[j][-1] for j in keep], device=self.device)
             resid, attn_in = head.layer_input(self.parts.embed(ids).float().unsqueeze(1), feat[keep_rows].unsqueeze(1))
             positions = torch.tensor([[len(inputs[j].token_ids) - 1 + s] for j in keep], device=self.device)
-            feat = head.block.step(resid, attn_in, positions, [caches[j] for j in keep])[:, 0]
+            feat = self._step(resid, attn_in, positions, [caches[j] for j in keep])[:, 0]
             live = keep
         for j, (inp, cache) in enumerate(zip(inputs, caches)):
             cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
@@ -144,7 +146,7 @@ class EagleDrafter(HeadDrafter):
                 while node >= 0:
                     mask[j, slot_of[node]] = True
                     node = parents[node]
-            feats = head.block.step(resid, attn_in, positions, [cache], masks=[mask])[0]  # [K, H]
+            feats = self._step(resid, attn_in, positions, [cache], masks=[mask])[0]  # [K, H]
             frontier, frontier_scores = expand, child_scores[best]
         cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
         return best_subtree(tokens, parents, scores, size)
@@ -170,7 +172,14 @@ class EagleDrafter(HeadDrafter):
         feat = self.head.fuse({layer: h.float().unsqueeze(0) for layer, h in hidden.items()})  # [1, n, H]
         resid, attn_in = self.head.layer_input(self.parts.embed(next_ids).float().unsqueeze(0), feat)
         positions = torch.arange(end - n, end, device=self.device).unsqueeze(0)
-        return self.head.block.step(resid, attn_in, positions, [cache])[:, -1]
+        return self._step(resid, attn_in, positions, [cache])[:, -1]
+
+    def _step(self, resid: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
+              masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The draft layer's step (DraftBlock.step), on the block kernels where they serve."""
+        if self.native is not None:
+            return self.native.step(resid, attn_in, positions, caches, masks)
+        return self.head.block.step(resid, attn_in, positions, caches, masks=masks)
 
 
 @register("eagle3")

@@ -38,10 +38,10 @@ def default_prompt_files() -> list[Path]:
 
 
 def add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3, mtp, draft_model) for a target",
+    p = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3, mtp, draft_model, dflash) for a target",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=DEFAULT_MODEL, help="the target model (built-in name, HF directory or .gguf)")
-    p.add_argument("--method", required=True, help="draft-head method (medusa, eagle, eagle3, mtp, draft_model)")
+    p.add_argument("--method", required=True, help="draft-head method (medusa, eagle, eagle3, mtp, draft_model, dflash)")
     p.add_argument("--prompts", nargs="+", default=None,
                    help="prompt files (.json/.jsonl: turns, question, instruction/input, prompt, or JSON strings); "
                         "default: the training sets shipped in tandem/data/train")
@@ -117,7 +117,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-heads", type=int, default=None, help="medusa heads")
     g.add_argument("--depth", type=int, default=None, help="mtp modules (draft positions)")
     g.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="eagle3 reduced draft vocabulary: the most frequent ids of the training answers")
+                   help="eagle3 and dflash reduced draft vocabulary: the most frequent ids of the training answers")
     g.add_argument("--num-layers", type=int, default=None, help="draft_model decoder layers")
     g.add_argument("--head-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other constructor option of the head (VALUE parsed as JSON when it parses)")

@@ -183,7 +183,7 @@ def head_methods() -> list[str]:
 
 
 class DraftHead(nn.Module):
-    """Base of every trained drafter module (medusa, eagle, eagle3, mtp heads, draft_model)."""
+    """Base of every trained drafter module (medusa, eagle, eagle3, mtp, dflash heads, draft_model)."""
 
     method: str = ""
 

@@ -43,6 +43,15 @@ class RowCache:
         """k, v: [Hkv, t, D]; positions [t]."""
         t = k.shape[1]
         need = self.length + t
+        self.reserve(t)
+        self.k[:, self.length : need] = k
+        self.v[:, self.length : need] = v
+        self.positions[self.length : need] = positions
+        self.length = need
+
+    def reserve(self, t: int) -> None:
+        """Room for t slots after `length` (a writer that fills them itself, then moves length)."""
+        need = self.length + t
         if need > self.k.shape[1]:
             cap = max(need, 2 * self.k.shape[1])
             for name in ("k", "v"):
@@ -53,10 +62,6 @@ class RowCache:
             pos = self.positions.new_zeros(cap)
             pos[: self.length] = self.positions[: self.length]
             self.positions = pos
-        self.k[:, self.length : need] = k
-        self.v[:, self.length : need] = v
-        self.positions[self.length : need] = positions
-        self.length = need
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)

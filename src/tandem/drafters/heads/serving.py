@@ -45,7 +45,7 @@ def serving_kernels(head: torch.nn.Module) -> torch.nn.Module:
 
 
 class HeadDrafter(Drafter):
-    """Base of the drafters that serve a head trained by `tandem train` (medusa, eagle, eagle3, mtp)."""
+    """Base of the drafters that serve a head trained by `tandem train` (medusa, eagle, eagle3, mtp, dflash)."""
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
         super().__init__(spec, target)

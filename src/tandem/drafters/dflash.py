@@ -1,0 +1,120 @@
+"""DFlash drafter: the block head of heads/dflash.py proposes a whole block in one forward.
+
+Per request and draft layer a RowCache holds the keys and values of the context: the true target
+features of every position before the anchor. Each round (docs/algorithms.md section 3):
+1. catch-up: the hidden rows of the tokens the target just committed become context features,
+   and every layer appends their keys and values;
+2. one forward over [anchor, MASK x k] at positions a .. a+k (a = the last committed token's
+   position) for every drafting request at once: the linears run over all requests' rows
+   together, attention per request over its context plus its own block;
+3. the block's keys are never stored: the next round's block sees only true features.
+
+Mask position j's logits give draft token j. Greedy drafts take the argmax; sampled ones draw
+token j from position j's processed distribution, reported as q_j. The positions do not depend on
+one another's tokens (each sees only the context and MASK inputs), so q_j is exactly the
+distribution token j was drawn from, which the verifier's rule needs (docs/algorithms.md
+section 1). Each token's confidence is the largest probability of its position's distribution:
+fixed before the token is drawn, so the policy may cut the draft on it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.drafters.base import DraftInput, register
+from tandem.drafters.heads.block import RowCache
+from tandem.drafters.heads.native import NativeBlock
+from tandem.drafters.heads.serving import HeadDrafter, make_draft
+from tandem.types import Draft
+
+
+@register("dflash")
+class DFlashDrafter(HeadDrafter):
+    cost_per_round = True
+
+    def __init__(self, spec, target) -> None:
+        super().__init__(spec, target)
+        trained = self.head.block_size - 1
+        if spec.num_draft_tokens > trained:
+            raise ValueError(
+                f"this dflash head was trained on blocks of {trained} draft tokens: set "
+                f"--speculative-num-draft-tokens to at most {trained}"
+            )
+        self.block_size = spec.num_draft_tokens + 1
+        self.contexts: dict[str, list[RowCache]] = {}
+        natives = [NativeBlock.of(layer.block) for layer in self.head.draft_layers]
+        self.natives = natives if all(n is not None for n in natives) else None
+
+    def release(self, request_id: str) -> None:
+        self.contexts.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftInput]) -> list[Draft]:
+        drafts = [Draft.empty() for _ in batch]
+        rows = [i for i, inp in enumerate(batch) if all(len(inp.hidden.get(layer, ())) for layer in self.head.serving_layers)]
+        if not rows:
+            return drafts
+        inputs = [batch[i] for i in rows]
+        contexts = [self._catch_up(inp) for inp in inputs]
+        logits = self._block_logits(inputs, contexts)  # [R, k, V']
+        for r, inp in enumerate(inputs):
+            budget = min(self.block_size - 1, inp.max_draft_tokens)
+            drafts[rows[r]] = self._draft(inp, logits[r, :budget])
+        return drafts
+
+    def _draft(self, inp: DraftInput, logits: torch.Tensor) -> Draft:
+        """Tokens (and q rows when sampling) from the block's logits [k, V'], cut at a broken row."""
+        k = len(logits)
+        seen = self.seen_ids(inp)
+        tokens, qs = self.choose([inp] * k, [seen] * k, logits)
+        end = tokens.index(-1) if -1 in tokens else k
+        confidence = torch.softmax(logits[:end].float(), dim=-1).amax(-1).tolist()
+        draft = make_draft(tokens[:end], qs[:end])
+        return Draft(draft.token_ids, draft.probs, None, confidence) if end else draft
+
+    def _block_logits(self, inputs: list[DraftInput], contexts: list[list[RowCache]]) -> torch.Tensor:
+        head, S = self.head, self.block_size
+        anchors = torch.tensor([inp.token_ids[-1] for inp in inputs], device=self.device)
+        positions = torch.tensor([len(inp.token_ids) - 1 for inp in inputs], device=self.device)
+        positions = positions.unsqueeze(-1) + torch.arange(S, device=self.device)  # [R, S]
+        x = head.block_input(self.parts.embed(anchors).float(), S)  # [R, S, H]
+        for li, layer in enumerate(head.draft_layers):
+            if self.natives is not None:  # every row sees the whole context and the whole block
+                caches = [ctx[li] for ctx in contexts]
+                masks = [torch.ones(S, c.length + S, dtype=torch.bool) for c in caches]
+                x = self.natives[li].step(x, layer.norm(x), positions, caches, masks, keep=False)
+                continue
+            blk = layer.block
+            q, kb, vb = blk.qkv_heads(layer.norm(x), positions)
+            outs = []
+            for r, ctx in enumerate(contexts):
+                cache, n = ctx[li], ctx[li].length
+                k = torch.cat([cache.k[:, :n], kb[r]], dim=1)[None]
+                v = torch.cat([cache.v[:, :n], vb[r]], dim=1)[None]
+                outs.append(F.scaled_dot_product_attention(q[r : r + 1], k, v, scale=blk.scale,
+                                                           enable_gqa=blk.heads != blk.kv_heads))
+            x = blk.finish(x, torch.cat(outs))
+        return head.head_logits(x[:, 1:])
+
+    def _catch_up(self, inp: DraftInput) -> list[RowCache]:
+        """The request's per-layer context caches extended by its new hidden rows (positions
+        len-1-n .. len-2). Rows that never arrived (a round without a draft) cannot be recovered:
+        the caches then restart at the first row they have (drafts stay valid, with less context)."""
+        hidden = {layer: inp.hidden[layer].to(self.device) for layer in self.head.serving_layers}
+        n = len(next(iter(hidden.values())))
+        first = len(inp.token_ids) - 1 - n
+        caches = self.contexts.get(inp.request_id)
+        if caches is None or caches[0].origin + caches[0].length != first:
+            caches = self.contexts[inp.request_id] = [
+                layer.block.new_cache(self.device, origin=first) for layer in self.head.draft_layers
+            ]
+        features = self.head.context({layer: h.float().unsqueeze(0) for layer, h in hidden.items()})  # [1, n, H]
+        positions = torch.arange(first, first + n, device=self.device)
+        for li, (layer, cache) in enumerate(zip(self.head.draft_layers, caches)):
+            if self.natives is not None:  # the rows' keys land in the cache; their outputs are not needed
+                self.natives[li].step(features, features, positions.unsqueeze(0), [cache])
+                continue
+            k, v = layer.context_kv(features, positions.unsqueeze(0))
+            cache.append(k[0], v[0], positions)
+        return caches

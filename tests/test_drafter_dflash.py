@@ -1,0 +1,250 @@
+"""DFlash: the block attention pattern against a reference masked computation, what a block may
+see, training (the loss falls, resume is exact), and the drafter: its drafts equal the training
+forward's on the committed context, its caches hold exactly the true features, blocks longer
+than the trained one are refused, and a q that is not the one sampled from fails the audit.
+(Greedy identity, the sampled audit and the other per-method checks run in test_drafter_heads.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from heads_fixtures import (
+    expected_tau,
+    hf_tokenizer,
+    make_batch,
+    parts,
+    sharp_target,
+    train,
+)
+from test_drafter_heads import (
+    GREEDY,
+    PROMPTS,
+    audit,
+    make_llm,
+    plain,
+    prefill_hidden,
+    trained,
+)
+
+from tandem.config import EngineConfig, SamplingParams
+from tandem.drafters import DraftInput
+from tandem.drafters.dflash import DFlashDrafter
+from tandem.drafters.heads.base import TrainBatch
+from tandem.drafters.heads.io import build_head, save_head
+from tandem.llm import LLM
+from tandem.train.capture import CapturedData, capture, sequences
+from tandem.train.data import DistillConfig, distill
+from tandem.train.trainer import TrainConfig
+from tandem.train.trainer import train as run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def saved_dflash(tmp_path_factory):
+    return save_head(trained("dflash"), tmp_path_factory.mktemp("dflash"), "sharp-qwen2-0", {"steps": 1},
+                     tokenizer=hf_tokenizer())
+
+
+def reference_block_logits(head, batch, target, anchor: int, size: int) -> torch.Tensor:
+    """One block at `anchor` of row 0, attention written out: softmax over the context keys at
+    positions < anchor and the block's own keys, per head."""
+    context = head.context({layer: batch.hidden[layer][:1] for layer in head.serving_layers})[:, :anchor]
+    x = head.block_input(target.embed(batch.token_ids[:1, anchor]).float(), size)  # [1, S, H]
+    q_pos = (anchor + torch.arange(size)).unsqueeze(0)
+    for layer in head.draft_layers:
+        blk = layer.block
+        kc, vc = layer.context_kv(context, torch.arange(anchor).unsqueeze(0))
+        q, kb, vb = blk.qkv_heads(layer.norm(x), q_pos)
+        k, v = blk._expand(torch.cat([kc, kb], dim=2)), blk._expand(torch.cat([vc, vb], dim=2))
+        weights = torch.softmax(q @ k.transpose(-1, -2) * blk.scale, dim=-1)
+        x = blk.finish(x, weights @ v)
+    return head.head_logits(x)[0]
+
+
+def test_block_attention_equals_a_reference_masked_computation():
+    p, batch = parts(), make_batch()
+    torch.manual_seed(0)
+    head = build_head("dflash", p, block_size=5).eval()
+    anchors = torch.tensor([[3, 9, 10, 17]])  # overlapping blocks (9 and 10) are still separate
+    one = TrainBatch(batch.token_ids[:1], batch.lengths[:1], batch.loss_mask[:1], {})
+    context = head.context({layer: batch.hidden[layer][:1] for layer in head.serving_layers})
+    with torch.no_grad():
+        together = head.block_logits(one, p, context, anchors, 5)[0]
+        for i, a in enumerate(anchors[0].tolist()):
+            torch.testing.assert_close(together[i], reference_block_logits(head, batch, p, a, 5), rtol=1e-4, atol=1e-4)
+
+
+def test_a_block_sees_the_context_before_its_anchor_and_nothing_else():
+    p, batch = parts(), make_batch()
+    torch.manual_seed(0)
+    head = build_head("dflash", p, block_size=4).eval()
+    one = TrainBatch(batch.token_ids[:1].clone(), batch.lengths[:1], batch.loss_mask[:1], {})
+
+    def logits(hidden, token_ids=None):
+        b = TrainBatch(one.token_ids if token_ids is None else token_ids, one.lengths, one.loss_mask, {})
+        ctx = head.context({layer: hidden[layer][:1] for layer in head.serving_layers})
+        with torch.no_grad():
+            return head.block_logits(b, p, ctx, torch.tensor([[8, 14]]), 4)[0]
+
+    base = logits(batch.hidden)
+    later = {k: v.clone() for k, v in batch.hidden.items()}
+    for layer in head.serving_layers:
+        later[layer][:, 8] += 1.0  # the feature at the first block's anchor: only the second sees it
+    moved = logits(later)
+    torch.testing.assert_close(moved[0], base[0])
+    assert not torch.allclose(moved[1], base[1])
+    tokens = one.token_ids.clone()
+    tokens[0, 14] = (tokens[0, 14] + 1) % p.config.vocab_size  # the second block's anchor token
+    moved = logits(batch.hidden, tokens)
+    torch.testing.assert_close(moved[0], base[0])
+    assert not torch.allclose(moved[1], base[1])
+
+
+def test_overfits_a_tiny_batch():
+    p, batch = parts(), make_batch(self_distilled=True)
+    torch.manual_seed(0)
+    head = build_head("dflash", p, block_size=5, anchors_per_sequence=8)
+    before = expected_tau(head.draft_accuracy(batch, p, 4))
+    losses = train(head, batch, p, steps=40, lr=3e-3)
+    assert losses[-1] < losses[0] / 8
+    assert expected_tau(head.draft_accuracy(batch, p, 4)) > before + 1.0
+
+
+def test_loss_weights_decay_by_position():
+    """exp(-(j-1)/gamma): with a huge gamma every position counts alike, with a tiny one only
+    the first; the loss moves accordingly on a head whose positions differ in quality."""
+    p, batch = parts(), make_batch(self_distilled=True)
+    losses = {}
+    for gamma in (1e-3, 1e6):
+        torch.manual_seed(0)
+        head = build_head("dflash", p, block_size=5, anchors_per_sequence=8, gamma=gamma)
+        torch.manual_seed(1)
+        losses[gamma] = float(head.training_loss(batch, p)[0].detach())
+    assert math.isfinite(losses[1e-3]) and losses[1e-3] != pytest.approx(losses[1e6], rel=1e-3)
+
+
+def test_options_are_checked():
+    p = parts()
+    for bad, match in ((dict(block_size=1), "block_size"), (dict(num_draft_layers=0), "num_draft_layers"),
+                       (dict(gamma=0.0), "gamma"), (dict(layers=[9]), r"\[0, 4\)")):
+        with pytest.raises(ValueError, match=match):
+            build_head("dflash", p, **bad)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_head("dflash", p, token_counts=torch.ones(97))
+
+
+def test_a_block_longer_than_the_trained_one_is_refused(saved_dflash):
+    with pytest.raises(ValueError, match="at most 5"):
+        make_llm("dflash", saved_dflash, k=6)
+
+
+def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved_dflash):
+    """Across rounds with rejections: every draft is the block recomputed from scratch on the
+    committed context, and each layer's cache holds exactly the positions before the anchor."""
+    llm = make_llm("dflash", saved_dflash, k=3)
+    drafter = llm.engine.drafter
+    seen = []
+    propose = drafter.propose
+
+    def recording(batch):
+        drafts = propose(batch)
+        for inp, d in zip(batch, drafts):
+            seen.append((list(inp.token_ids), d.token_ids))
+            caches = drafter.contexts[inp.request_id]
+            assert all(c.origin + c.length == len(inp.token_ids) - 1 for c in caches)
+            assert all(0 <= x <= 1 for x in d.confidence)
+        return drafts
+
+    drafter.propose = recording
+    out = llm.generate(PROMPTS, GREEDY)
+    assert tuple(tuple(o.token_ids) for o in out) == plain()
+    assert 0 < llm.engine.stats.acceptance_rate < 1
+    head, p = drafter.head, parts()
+    for ids, draft in seen:
+        hidden = prefill_hidden(llm, ids)
+        T = len(ids)
+        h = {layer: torch.zeros(1, T, hidden[layer].shape[-1]) for layer in head.serving_layers}
+        for layer in h:
+            h[layer][0, : T - 1] = hidden[layer].float()
+        batch = TrainBatch(torch.tensor([ids]), torch.tensor([T]), torch.zeros(1, T, dtype=torch.bool), h)
+        with torch.no_grad():
+            logits = head.block_logits(batch, p, head.context(h), torch.tensor([[T - 1]]), 4)[0, 0, 1:]
+        assert draft == head.to_target_ids(logits.argmax(-1)).tolist()[: len(draft)]
+
+
+def test_a_round_the_drafter_missed_restarts_its_caches(saved_dflash):
+    llm = make_llm("dflash", saved_dflash, k=3)
+    drafter = llm.engine.drafter
+    ctx = PROMPTS[0] + [11, 12, 13, 14, 15, 16]
+    hidden = prefill_hidden(llm, ctx)  # rows for ctx[:-1]
+
+    def call(n_ctx: int, rows: slice):
+        inp = DraftInput("r", ctx[:n_ctx], 6, 3, SamplingParams(temperature=0), torch.Generator(),
+                         {k: v[rows] for k, v in hidden.items()})
+        return drafter.propose([inp])[0]
+
+    assert len(call(6, slice(0, 5))) == 3
+    assert len(call(10, slice(7, 9))) == 3  # rows 5 and 6 never arrive: restart at position 7
+    caches = drafter.contexts["r"]
+    assert all(c.origin == 7 and c.length == 2 for c in caches)
+    assert len(call(11, slice(9, 10))) == 3
+    assert all(c.origin == 7 and c.length == 3 for c in drafter.contexts["r"])
+
+
+def test_audit_fails_a_q_that_is_not_the_one_sampled_from(saved_dflash, monkeypatch):
+    """Negative control: report a flattened q (q ** 0.1 renormalised, not the q each token was
+    drawn from) and the committed tokens stop following the target."""
+    original = DFlashDrafter.full_vocab_q
+
+    def flattened(self, q):
+        flat = q.clamp(min=0) ** 0.1
+        return original(self, flat / flat.sum())
+
+    monkeypatch.setattr(DFlashDrafter, "full_vocab_q", flattened)
+    _, checks = audit(make_llm("dflash", saved_dflash, k=2), SamplingParams(temperature=1.0), seed=1)
+    ran = [c for c in checks if c.passed is not None]
+    assert ran and not all(c.passed for c in ran), checks
+
+
+def test_training_resumes_bit_for_bit(tmp_path):
+    """The anchors are drawn from torch's RNG, whose state the checkpoint carries: a run stopped
+    after a checkpoint and resumed ends with the weights of an uninterrupted one."""
+    loaded, p = sharp_target(), parts()
+    llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=64, max_num_seqs=8))
+    prompts = [" ".join(str(3 + (i * 11 + j) % 90) for j in range(4)) for i in range(8)]
+    seqs = sequences(distill(llm, prompts, tmp_path / "answers", DistillConfig("sharp", max_new_tokens=10)))
+    torch.manual_seed(0)
+    layers = build_head("dflash", p, block_size=4).hidden_layers
+    data = CapturedData(capture(loaded, seqs, tmp_path / "cap", layers, shard_size=4, store_dtype=torch.float32), layers)
+    cfg = TrainConfig(steps=6, batch_size=3, lr=3e-3, eval_every=100, checkpoint_every=3)
+
+    def head():
+        torch.manual_seed(0)
+        return build_head("dflash", p, block_size=4, anchors_per_sequence=3)
+
+    whole = head()
+    run(whole, p, data, None, cfg, tmp_path / "whole")
+    interrupted = head()
+    calls = {"n": 0}
+    original = interrupted.training_loss
+
+    class Stop(Exception):
+        pass
+
+    def crash_on_fifth(batch, target):
+        calls["n"] += 1
+        if calls["n"] == 5:  # steps 1-4 done, checkpoint at step 3
+            raise Stop
+        return original(batch, target)
+
+    interrupted.training_loss = crash_on_fifth
+    with pytest.raises(Stop):
+        run(interrupted, p, data, None, cfg, tmp_path / "part")
+    torch.manual_seed(123)
+    resumed = build_head("dflash", p, block_size=4, anchors_per_sequence=3)
+    assert run(resumed, p, data, None, cfg, tmp_path / "part", resume=True).step == 6
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
