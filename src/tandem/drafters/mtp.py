@@ -15,6 +15,7 @@ import torch
 
 from tandem.drafters.base import DraftInput, register
 from tandem.drafters.heads.block import RowCache
+from tandem.drafters.heads.native import NativeBlock
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
 from tandem.types import Draft
 
@@ -55,6 +56,8 @@ class MTPDrafter(HeadDrafter):
     def __init__(self, spec, target) -> None:
         super().__init__(spec, target)
         self.states: dict[str, _State] = {}
+        natives = [NativeBlock.of(module.block) for module in self.head.mtp]
+        self.natives = natives if all(n is not None for n in natives) else None
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -82,6 +85,8 @@ class MTPDrafter(HeadDrafter):
         tokens = torch.tensor(ids[a + k : b + k], device=self.device)
         x, attn_in = module.inputs(self.parts.embed(tokens).float().unsqueeze(0), h_prev.unsqueeze(0))
         positions = torch.arange(a, b, device=self.device).unsqueeze(0)
+        if self.natives is not None:  # on the block kernels; keep=False leaves the draft query's key out
+            return self.natives[k - 1].step(x, attn_in, positions, [cache], keep=keep, gap=module.gap)[0]
         out = module.block.step(x, attn_in, positions, [cache], gap=module.gap)[0]
         if not keep:  # a draft query: its key came from draft tokens
             cache.truncate(before)

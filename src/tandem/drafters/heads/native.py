@@ -9,7 +9,8 @@ per request, whatever the batch, where the PyTorch path runs about thirty small 
 
 What a query sees is given to the kernel as TreeKeys: a prefix of cache slots [0, hi) and then a
 list of further slots. A chain step's query sees [0, its own slot]; a tree node's, the committed
-prefix and its own path; a DFlash block row's, the whole context and the whole block. Drafts only
+prefix and its own path; a DFlash block row's, the whole context and the whole block; an MTP
+module's, the keys at least its gap behind it and its own. Drafts only
 propose, so the kernels' rounding (RoPE from fp32 tables, fused norms) never reaches the output.
 """
 
@@ -66,11 +67,13 @@ class NativeBlock:
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).contiguous()
 
     def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
-             masks: list[torch.Tensor] | None = None, keep: bool = True) -> torch.Tensor:
-        """DraftBlock.step (gap 1): R requests, t new rows each; x [R, t, H], attn_in [R, t, Din],
+             masks: list[torch.Tensor] | None = None, keep: bool = True, gap: int = 1) -> torch.Tensor:
+        """DraftBlock.step: R requests, t new rows each; x [R, t, H], attn_in [R, t, Din],
         positions [R, t]. The rows' keys are written to each cache after its `length` slots;
-        keep=False leaves `length` as it was (the slots are scratch: a DFlash block). masks: per
-        request [t, n] bool over the cache slots after the append (None: causal)."""
+        keep=False leaves `length` as it was (the slots are scratch: a draft query, a DFlash
+        block). masks: per request [t, n] bool over the cache slots after the append; None: the
+        positional rule of DraftBlock (a key is visible at its own slot or at a position <= the
+        query's - gap), for caches whose positions ascend."""
         k, blk = self.kernels, self.block
         R, t, H = x.shape
         x2 = x.reshape(R * t, H).float().contiguous().clone()
@@ -80,7 +83,11 @@ class NativeBlock:
         for r, cache in enumerate(caches):
             cache.reserve(t)
             slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
-            keys = _keys(slots, None if masks is None else masks[r], positions[r].to(torch.int64))
+            rows = positions[r].to(torch.int64)
+            if masks is None:
+                keys = _positional_keys(torch.cat([cache.positions[: cache.length].cpu(), rows.cpu()]), slots, gap)
+            else:
+                keys = _mask_keys(masks[r], rows)
             attn.append(k.attend(qkv[r * t : (r + 1) * t], torch.zeros(t, dtype=torch.int64), slots, self.cos, self.sin,
                                  cache.k.unsqueeze(0), cache.v.unsqueeze(0), blk.heads, blk.kv_heads, None, blk.scale,
                                  tree=keys))
@@ -93,12 +100,18 @@ class NativeBlock:
         return x2.reshape(R, t, H)
 
 
-def _keys(slots: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> TreeKeys:
-    """TreeKeys for rows at `slots`: causal ([0, own slot]) without a mask, else each row's
-    visible slots as a prefix [0, hi) and the rest listed."""
-    t = len(slots)
-    if mask is None:
-        return TreeKeys(positions, slots.clone(), torch.arange(t + 1, dtype=torch.int64), slots.clone())
+def _positional_keys(positions: torch.Tensor, slots: torch.Tensor, gap: int) -> TreeKeys:
+    """positions [n]: every slot's position (ascending), the new rows' at `slots` included. A row
+    sees the slots at positions <= its own - gap (a prefix, as positions ascend) and itself."""
+    rows = positions[slots]
+    hi = torch.searchsorted(positions, rows - gap, right=True)
+    own = slots >= hi  # gap <= 0 puts the row's own slot inside the prefix already
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), own.to(torch.int64).cumsum(0)])
+    return TreeKeys(rows, hi.to(torch.int64), offsets, slots[own].clone())
+
+
+def _mask_keys(mask: torch.Tensor, positions: torch.Tensor) -> TreeKeys:
+    """Each row's visible slots (a row of mask [t, n]) as a prefix [0, hi) and the rest listed."""
     his, rest = [], []
     for row in mask.to(torch.bool).cpu():
         hidden = (~row).nonzero()
