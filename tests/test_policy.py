@@ -117,6 +117,30 @@ def test_expensive_drafter_turns_speculation_off():
     assert p.draft_lengths([DraftSlot("r", 6)]) == [0]
 
 
+def test_a_per_round_drafter_is_priced_per_round_not_per_token():
+    """A block drafter's time is one cost per drafting request: a draft time that makes every
+    draft token too dear for a per-token drafter still lets a per-round one draft its whole
+    block, and the length is then chosen by the verification curve alone."""
+    per_token, per_round = adaptive(CPU, k=6), adaptive(CPU, k=6, per_round_drafts=True)
+    for p in (per_token, per_round):
+        teach(p, "r", (6, 6))
+        for _ in range(20):
+            p.observe_draft_time(seconds=0.04, tokens=1)  # 40 ms per unit (a forward is 30): a token, or a round
+    assert per_token.draft_lengths([DraftSlot("r", 6)]) == [0]
+    assert per_round.draft_lengths([DraftSlot("r", 6)])[0] >= 3
+    for _ in range(40):
+        per_round.observe_draft_time(seconds=0.5, tokens=1)  # a round costs many forwards: off
+    assert per_round.draft_lengths([DraftSlot("r", 6)]) == [0]
+
+
+def test_engine_tells_the_policy_how_its_drafter_is_priced():
+    from tandem.scheduler.policy import create_policy
+
+    spec = SpecConfig(algorithm="suffix", num_draft_tokens=4, policy="adaptive")
+    assert create_policy(spec, CPU, per_round_drafts=True).per_round_drafts
+    assert not create_policy(spec, CPU).per_round_drafts
+
+
 def test_measured_rounds_override_a_wrong_profile():
     p = adaptive(CHEAP, k=6)
     teach(p, "r", (6, 6))

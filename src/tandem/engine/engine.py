@@ -68,7 +68,7 @@ class Engine:
         if config.spec.algorithm:
             target = TargetInfo.of(loaded, tuple(self.eos_ids), config.device)
             self.drafter = create_drafter(config.spec, target)
-            self.policy = create_policy(config.spec, cost_curve)
+            self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SpecStats()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import bisect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tandem.config import SpecConfig
-from tandem.types import Draft
 from tandem.scheduler.cost_model import CostCurve
+from tandem.types import Draft
 
 # Acceptance a request is assumed to have before it has drafted anything (per position). It must
 # predict a gain at batch 1 on a cheap-verification curve, or an idle policy would never draft
@@ -171,7 +171,9 @@ class AdaptivePolicy(SpeculationPolicy):
     costed at its full node budget, num_draft_tokens + 1 tokens, whatever K (an upper bound). For each K in
     0..k_max each request drafts min(K, limit, useful) where `useful` drops positions whose
     expected tokens cost more draft time than they save; the K with the best tokens/second wins
-    if it beats plain decoding (K = 0: B tokens per curve(B)) by MIN_GAIN. As the batch grows the curve turns linear and K falls to 0: speculation switches
+    if it beats plain decoding (K = 0: B tokens per curve(B)) by MIN_GAIN. A drafter whose cost is
+    per round (per_round_drafts: a block drafter) is priced at its measured seconds per drafting
+    request, whatever the length, instead of per draft token. As the batch grows the curve turns linear and K falls to 0: speculation switches
     itself off when verification stops being cheap.
     """
 
@@ -181,8 +183,10 @@ class AdaptivePolicy(SpeculationPolicy):
         curve: CostCurve | None,
         prior: float = PRIOR_ACCEPTANCE,
         min_gain: float = MIN_GAIN,
+        per_round_drafts: bool = False,
     ) -> None:
         super().__init__(spec.min_survival)
+        self.per_round_drafts = per_round_drafts
         if curve is None:
             raise ValueError(
                 "the adaptive speculation policy needs the target's forward cost curve: pass cost_curve= "
@@ -197,7 +201,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self.min_gain = min_gain
         self.global_acceptance = [prior] * self.k_max
         self.acceptance: dict[str, list[float]] = {}
-        self.draft_seconds_per_token = 0.0
+        self.draft_seconds_per_unit = 0.0
 
     def _estimate(self, request_id: str) -> list[float]:
         if request_id not in self.acceptance:
@@ -214,8 +218,9 @@ class AdaptivePolicy(SpeculationPolicy):
             reach, s = 1.0, []
             for a in self._estimate(slot.request_id)[: max(0, slot.limit)]:
                 reach *= a
-                # A position is worth drafting while its expected tokens beat the draft time they cost.
-                if reach * plain_seconds / B <= self.draft_seconds_per_token:
+                # A position is worth drafting while its expected tokens beat the draft time they
+                # cost (nothing more for a drafter that proposes its whole block at once).
+                if not self.per_round_drafts and reach * plain_seconds / B <= self.draft_seconds_per_unit:
                     break
                 s.append(reach)
             survival.append(s)
@@ -227,7 +232,8 @@ class AdaptivePolicy(SpeculationPolicy):
                 break  # no request can use a chain this long: larger K would repeat the last one
             T = self.tree_tokens or K + 1
             committed = B + sum(sum(s[:k]) for s, k in zip(survival, ks))
-            seconds = self.curve(B * T) + self.draft_seconds_per_token * sum(ks)
+            units = sum(k > 0 for k in ks) if self.per_round_drafts else sum(ks)
+            seconds = self.curve(B * T) + self.draft_seconds_per_unit * units
             rate = committed / seconds
             if rate > best_rate and rate > plain_rate * (1.0 + self.min_gain):
                 best_ks, best_rate = ks, rate
@@ -252,18 +258,15 @@ class AdaptivePolicy(SpeculationPolicy):
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
             per_token = seconds / tokens
-            self.draft_seconds_per_token += 0.2 * (per_token - self.draft_seconds_per_token)
+            self.draft_seconds_per_unit += 0.2 * (per_token - self.draft_seconds_per_unit)
 
     def release(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
 
 
-_POLICIES: dict[str, Callable[[SpecConfig, CostCurve | None], SpeculationPolicy]] = {
-    "fixed": FixedPolicy,
-    "adaptive": AdaptivePolicy,
-}
-
-
-def create_policy(spec: SpecConfig, curve: CostCurve | None = None) -> SpeculationPolicy:
-    """The policy spec.policy names (SpecConfig has validated the name)."""
-    return _POLICIES[spec.policy](spec, curve)
+def create_policy(spec: SpecConfig, curve: CostCurve | None = None, per_round_drafts: bool = False) -> SpeculationPolicy:
+    """The policy spec.policy names (SpecConfig has validated the name); per_round_drafts: the
+    drafter's cost is per round (Drafter.cost_per_round), which the adaptive policy prices."""
+    if spec.policy == "fixed":
+        return FixedPolicy(spec, curve)
+    return AdaptivePolicy(spec, curve, per_round_drafts=per_round_drafts)
