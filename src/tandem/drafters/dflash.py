@@ -83,7 +83,7 @@ class DFlashDrafter(HeadDrafter):
             if self.natives is not None:  # every row sees the whole context and the whole block
                 caches = [ctx[li] for ctx in contexts]
                 masks = [torch.ones(S, c.length + S, dtype=torch.bool) for c in caches]
-                x = self.natives[li].step(x, layer.norm(x), positions, caches, masks, keep=False)
+                x = self.natives[li].step(x, x, positions, caches, masks, keep=False, attn_norm=layer.norm)
                 continue
             blk = layer.block
             q, kb, vb = blk.qkv_heads(layer.norm(x), positions)
@@ -112,8 +112,8 @@ class DFlashDrafter(HeadDrafter):
         features = self.head.context({layer: h.float().unsqueeze(0) for layer, h in hidden.items()})  # [1, n, H]
         positions = torch.arange(first, first + n, device=self.device)
         for li, (layer, cache) in enumerate(zip(self.head.draft_layers, caches)):
-            if self.natives is not None:  # the rows' keys land in the cache; their outputs are not needed
-                self.natives[li].step(features, features, positions.unsqueeze(0), [cache])
+            if self.natives is not None:  # only the rows' keys and values are needed
+                self.natives[li].write_keys(features, positions.unsqueeze(0), cache)
                 continue
             k, v = layer.context_kv(features, positions.unsqueeze(0))
             cache.append(k[0], v[0], positions)

@@ -67,17 +67,41 @@ class NativeBlock:
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).contiguous()
 
     def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
-             masks: list[torch.Tensor] | None = None, keep: bool = True, gap: int = 1) -> torch.Tensor:
+             masks: list[torch.Tensor] | None = None, keep: bool = True, gap: int = 1,
+             attn_norm: torch.nn.RMSNorm | None = None) -> torch.Tensor:
         """DraftBlock.step: R requests, t new rows each; x [R, t, H], attn_in [R, t, Din],
         positions [R, t]. The rows' keys are written to each cache after its `length` slots;
         keep=False leaves `length` as it was (the slots are scratch: a draft query, a DFlash
         block). masks: per request [t, n] bool over the cache slots after the append; None: the
         positional rule of DraftBlock (a key is visible at its own slot or at a position <= the
-        query's - gap), for caches whose positions ascend."""
-        k, blk = self.kernels, self.block
+        query's - gap), for caches whose positions ascend. attn_norm: an RMSNorm the qkv
+        projection applies to attn_in first (fused into it)."""
         R, t, H = x.shape
         x2 = x.reshape(R * t, H).float().contiguous().clone()
-        qkv = k.linear(attn_in.reshape(R * t, -1).float().contiguous(), self.qkv)
+        attn = self._attend(attn_in, positions, caches, masks, keep, gap, attn_norm)
+        k = self.kernels
+        k.linear(attn, self.o, residual=x2, out=x2)
+        gate_up = k.linear(x2, self.gate_up, transform=RMS_NORM, norm_weight=self.mlp_norm, eps=self.eps)
+        k.linear(gate_up, self.down, transform=self.activation, residual=x2, out=x2)
+        return x2.reshape(R, t, H)
+
+    def write_keys(self, attn_in: torch.Tensor, positions: torch.Tensor, cache: RowCache) -> None:
+        """Append the keys and values of rows attn_in [1, t, Din] at positions [1, t] to the
+        cache, causally, without the rest of the layer (context rows whose outputs nobody reads)."""
+        self._attend(attn_in, positions, [cache], None, True, 1, None)
+
+    def _attend(self, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
+                masks: list[torch.Tensor] | None, keep: bool, gap: int,
+                attn_norm: torch.nn.RMSNorm | None) -> torch.Tensor:
+        """qkv projection, then per request RoPE + cache write + attention: [R * t, heads * D]."""
+        k, blk = self.kernels, self.block
+        R, t = positions.shape
+        rows = attn_in.reshape(R * t, -1).float().contiguous()
+        if attn_norm is None:
+            qkv = k.linear(rows, self.qkv)
+        else:
+            qkv = k.linear(rows, self.qkv, transform=RMS_NORM, norm_weight=attn_norm.weight.detach().float().contiguous(),
+                           eps=attn_norm.eps if attn_norm.eps is not None else torch.finfo(torch.float32).eps)
         self._tables(int(positions.max()) + 1)
         attn = []
         for r, cache in enumerate(caches):
@@ -94,10 +118,7 @@ class NativeBlock:
             cache.positions[cache.length : cache.length + t] = positions[r]
             if keep:
                 cache.length += t
-        k.linear(torch.cat(attn), self.o, residual=x2, out=x2)
-        gate_up = k.linear(x2, self.gate_up, transform=RMS_NORM, norm_weight=self.mlp_norm, eps=self.eps)
-        k.linear(gate_up, self.down, transform=self.activation, residual=x2, out=x2)
-        return x2.reshape(R, t, H)
+        return torch.cat(attn)
 
 
 def _positional_keys(positions: torch.Tensor, slots: torch.Tensor, gap: int) -> TreeKeys:
