@@ -43,7 +43,11 @@ from tandem.drafters.heads.base import (
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.drafters.heads.eagle import shift_left
-from tandem.drafters.heads.eagle3 import default_layers, draft_vocab_from_counts
+from tandem.drafters.heads.eagle3 import (
+    FusedLayersVocab,
+    default_layers,
+    draft_vocab_from_counts,
+)
 from tandem.model.arch import ModelConfig
 
 # Blocks of one sequence evaluated together by draft_accuracy (bounds the attention mask's size).
@@ -65,7 +69,7 @@ class DFlashLayer(nn.Module):
 
 
 @register_head("dflash")
-class DFlashHead(DraftHead):
+class DFlashHead(FusedLayersVocab, DraftHead):
     def __init__(self, cfg: ModelConfig, layers: Sequence[int] | None = None, num_draft_layers: int = 2,
                  block_size: int = 8, draft_vocab_size: int | None = None, gamma: float = 4.0,
                  anchors_per_sequence: int = 12, intermediate_size: int | None = None) -> None:
@@ -110,12 +114,9 @@ class DFlashHead(DraftHead):
                 raise ValueError("dflash token_counts need draft_vocab_size (how many of the most frequent ids to keep)")
             ids = draft_vocab_from_counts(token_counts, draft_vocab_size, cfg.vocab_size)
         head = cls(cfg, draft_vocab_size=len(ids), **options)
+        head.init_vocab_head(target, ids)
         H = cfg.hidden_size
         with torch.no_grad():
-            head.draft_ids.copy_(torch.tensor(ids, dtype=torch.long))
-            head.out_norm.weight.copy_(target.final_norm(torch.ones(H)))
-            if target.lm_head_weight is not None:
-                head.lm_head.weight.copy_(target.lm_head_weight[head.draft_ids])
             head.fc.weight.zero_()
             head.fc.weight[:, -H:] = torch.eye(H)  # c_t starts as the normed deepest fused layer
             if target.embed_weight is not None:  # MASK starts as the mean token embedding
@@ -126,18 +127,6 @@ class DFlashHead(DraftHead):
                     layer.block.init_from(weights)
                     layer.norm.weight.copy_(weights["attn_norm"])
         return head
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.layers))) + (self.num_layers_target,)
-
-    @property
-    def serving_layers(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.layers)))
-
-    @property
-    def draft_vocab_size(self) -> int | None:
-        return len(self.draft_ids)
 
     def config_dict(self) -> dict:
         return {"layers": list(self.layers), "num_draft_layers": self.num_draft_layers, "block_size": self.block_size,
@@ -157,9 +146,6 @@ class DFlashHead(DraftHead):
 
     def head_logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.out_norm(out))
-
-    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.draft_ids.to(ids.device)[ids]
 
     # ---- training --------------------------------------------------------------------------------
 

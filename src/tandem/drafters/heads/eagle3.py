@@ -60,8 +60,45 @@ def draft_vocab_from_counts(counts: Sequence[float] | Mapping[int, float] | torc
     return sorted(order.tolist())
 
 
+class FusedLayersVocab:
+    """What EAGLE-3 and DFlash heads share: they read the target's hidden states of `layers`
+    (the final layer L too in training, for the target's distributions) and draft over a reduced
+    vocabulary `draft_ids` through `lm_head` after `out_norm`."""
+
+    layers: tuple[int, ...]
+    num_layers_target: int
+    draft_ids: torch.Tensor
+    out_norm: nn.RMSNorm
+    lm_head: nn.Linear
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.layers))) + (self.num_layers_target,)
+
+    @property
+    def serving_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.layers)))
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        return len(self.draft_ids)
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary -> target token ids."""
+        return self.draft_ids.to(ids.device)[ids]
+
+    def init_vocab_head(self, target: TargetParts, ids: list[int]) -> None:
+        """Draft over `ids`, the LM head starting as the target's own rows of them with its final
+        norm folded into out_norm (rms_norm of a ones vector returns the norm's weight)."""
+        with torch.no_grad():
+            self.draft_ids.copy_(torch.tensor(ids, dtype=torch.long))
+            self.out_norm.weight.copy_(target.final_norm(torch.ones(target.config.hidden_size)))
+            if target.lm_head_weight is not None:
+                self.lm_head.weight.copy_(target.lm_head_weight[self.draft_ids])
+
+
 @register_head("eagle3")
-class Eagle3Head(FeatureHead):
+class Eagle3Head(FusedLayersVocab, FeatureHead):
     def __init__(self, cfg: ModelConfig, layers: Sequence[int] | None = None, draft_vocab_size: int | None = None,
                  unroll_steps: int = 7, step_decay: float = 0.8, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -105,26 +142,8 @@ class Eagle3Head(FeatureHead):
         else:
             ids = list(range(V))
         head = cls(target.config, draft_vocab_size=len(ids), **options)
-        with torch.no_grad():
-            head.draft_ids.copy_(torch.tensor(ids, dtype=torch.long))
-            # Start the LM head as the target's own rows of the draft vocab, its final norm folded
-            # into out_norm (rms_norm of a ones vector returns the norm's weight).
-            head.out_norm.weight.copy_(target.final_norm(torch.ones(target.config.hidden_size)))
-            if target.lm_head_weight is not None:
-                head.lm_head.weight.copy_(target.lm_head_weight[head.draft_ids])
+        head.init_vocab_head(target, ids)
         return head
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.layers))) + (self.num_layers_target,)
-
-    @property
-    def serving_layers(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.layers)))
-
-    @property
-    def draft_vocab_size(self) -> int | None:
-        return len(self.draft_ids)
 
     def config_dict(self) -> dict:
         return {"layers": list(self.layers), "draft_vocab_size": len(self.draft_ids), "unroll_steps": self.unroll_steps,
@@ -138,9 +157,6 @@ class Eagle3Head(FeatureHead):
 
     def head_logits(self, out: torch.Tensor, target: TargetParts) -> torch.Tensor:
         return self.lm_head(self.out_norm(out))
-
-    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.draft_ids.to(ids.device)[ids]
 
     def in_draft_vocab(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Bool per target id: whether the head can propose it."""
