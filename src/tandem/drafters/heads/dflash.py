@@ -46,7 +46,7 @@ from tandem.drafters.heads.eagle import shift_left
 from tandem.drafters.heads.eagle3 import (
     FusedLayersVocab,
     default_layers,
-    draft_vocab_from_counts,
+    draft_vocab_ids,
 )
 from tandem.model.arch import ModelConfig
 
@@ -86,9 +86,6 @@ class DFlashHead(FusedLayersVocab, DraftHead):
             raise ValueError(f"dflash needs gamma > 0, got {gamma}")
         if anchors_per_sequence < 1:
             raise ValueError(f"dflash needs anchors_per_sequence >= 1, got {anchors_per_sequence}")
-        vocab = draft_vocab_size or cfg.vocab_size
-        if not 1 <= vocab <= cfg.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, {cfg.vocab_size}], got {draft_vocab_size}")
         self.num_layers_target = L
         self.num_draft_layers, self.block_size, self.gamma = num_draft_layers, block_size, gamma
         self.anchors_per_sequence = anchors_per_sequence
@@ -97,9 +94,7 @@ class DFlashHead(FusedLayersVocab, DraftHead):
         self.context_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(H))
         self.draft_layers = nn.ModuleList(DFlashLayer(cfg, self.intermediate_size) for _ in range(num_draft_layers))
-        self.out_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, vocab, bias=False)
-        self.register_buffer("draft_ids", torch.arange(vocab, dtype=torch.long))
+        self.add_vocab_head(cfg, draft_vocab_size)
 
     @classmethod
     def build(cls, target: TargetParts, token_counts: Sequence[float] | Mapping[int, float] | torch.Tensor | None = None,
@@ -108,11 +103,7 @@ class DFlashHead(FusedLayersVocab, DraftHead):
         (or the full vocabulary); draft layers start as the target's last layers, the LM head as
         the target's rows of the draft vocabulary, fc as a copy of the deepest fused layer."""
         cfg = target.config
-        ids = list(range(cfg.vocab_size))
-        if token_counts is not None:
-            if not draft_vocab_size:
-                raise ValueError("dflash token_counts need draft_vocab_size (how many of the most frequent ids to keep)")
-            ids = draft_vocab_from_counts(token_counts, draft_vocab_size, cfg.vocab_size)
+        ids = draft_vocab_ids("dflash", cfg.vocab_size, None, token_counts, draft_vocab_size)
         head = cls(cfg, draft_vocab_size=len(ids), **options)
         head.init_vocab_head(target, ids)
         H = cfg.hidden_size

@@ -60,6 +60,25 @@ def draft_vocab_from_counts(counts: Sequence[float] | Mapping[int, float] | torc
     return sorted(order.tolist())
 
 
+def draft_vocab_ids(method: str, vocab_size: int, draft_vocab: Sequence[int] | None,
+                    token_counts: Sequence[float] | Mapping[int, float] | torch.Tensor | None,
+                    draft_vocab_size: int | None) -> list[int]:
+    """The ascending target ids a head drafts over: draft_vocab itself, the draft_vocab_size
+    most frequent ids of token_counts, or (neither given) the whole vocabulary."""
+    if draft_vocab is not None and token_counts is not None:
+        raise ValueError(f"give {method} either draft_vocab (ids) or token_counts, not both")
+    if token_counts is not None:
+        if not draft_vocab_size:
+            raise ValueError(f"{method} token_counts need draft_vocab_size (how many of the most frequent ids to keep)")
+        draft_vocab = draft_vocab_from_counts(token_counts, draft_vocab_size, vocab_size)
+    if draft_vocab is None:
+        return list(range(vocab_size))
+    ids = sorted({int(i) for i in draft_vocab})
+    if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"draft_vocab ids must lie in [0, {vocab_size}) and be non-empty")
+    return ids
+
+
 class FusedLayersVocab:
     """What EAGLE-3 and DFlash heads share: they read the target's hidden states of `layers`
     (the final layer L too in training, for the target's distributions) and draft over a reduced
@@ -87,6 +106,16 @@ class FusedLayersVocab:
         """Indices into the draft vocabulary -> target token ids."""
         return self.draft_ids.to(ids.device)[ids]
 
+    def add_vocab_head(self, cfg: ModelConfig, draft_vocab_size: int | None) -> None:
+        """out_norm, lm_head over draft_vocab_size ids (None: the whole vocabulary) and the
+        draft_ids buffer (filled by init_vocab_head)."""
+        vocab = draft_vocab_size or cfg.vocab_size
+        if not 1 <= vocab <= cfg.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {cfg.vocab_size}], got {draft_vocab_size}")
+        self.out_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        self.register_buffer("draft_ids", torch.arange(vocab, dtype=torch.long))
+
     def init_vocab_head(self, target: TargetParts, ids: list[int]) -> None:
         """Draft over `ids`, the LM head starting as the target's own rows of them with its final
         norm folded into out_norm (rms_norm of a ones vector returns the norm's weight)."""
@@ -108,19 +137,14 @@ class Eagle3Head(FusedLayersVocab, FeatureHead):
             raise ValueError(f"eagle3 fuses 3 target layers in [0, {L}), got {list(self.layers)}")
         if unroll_steps < 1:
             raise ValueError(f"eagle3 needs unroll_steps >= 1, got {unroll_steps}")
-        vocab = draft_vocab_size or cfg.vocab_size
-        if not 1 <= vocab <= cfg.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, {cfg.vocab_size}], got {draft_vocab_size}")
         self.num_layers_target = L
         self.unroll_steps, self.step_decay = unroll_steps, step_decay
         self.intermediate_size = intermediate_size or cfg.intermediate_size
         self.fc = nn.Linear(3 * H, H, bias=False)
         self.embed_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.feature_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.out_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.block = DraftBlock(cfg, attn_in_features=2 * H, intermediate_size=self.intermediate_size)
-        self.lm_head = nn.Linear(H, vocab, bias=False)
-        self.register_buffer("draft_ids", torch.arange(vocab, dtype=torch.long))
+        self.add_vocab_head(cfg, draft_vocab_size)
 
     @classmethod
     def build(cls, target: TargetParts, draft_vocab: Sequence[int] | None = None,
@@ -128,19 +152,7 @@ class Eagle3Head(FusedLayersVocab, FeatureHead):
               draft_vocab_size: int | None = None, **options) -> "Eagle3Head":
         """draft_vocab: the target ids to draft over; or token_counts (per target id, e.g. from
         the training answers) + draft_vocab_size: the most frequent ids. Neither: the full vocab."""
-        V = target.config.vocab_size
-        if draft_vocab is not None and token_counts is not None:
-            raise ValueError("give eagle3 either draft_vocab (ids) or token_counts, not both")
-        if token_counts is not None:
-            if not draft_vocab_size:
-                raise ValueError("eagle3 token_counts need draft_vocab_size (how many of the most frequent ids to keep)")
-            draft_vocab = draft_vocab_from_counts(token_counts, draft_vocab_size, V)
-        if draft_vocab is not None:
-            ids = sorted({int(i) for i in draft_vocab})
-            if not ids or ids[0] < 0 or ids[-1] >= V:
-                raise ValueError(f"draft_vocab ids must lie in [0, {V}) and be non-empty")
-        else:
-            ids = list(range(V))
+        ids = draft_vocab_ids("eagle3", target.config.vocab_size, draft_vocab, token_counts, draft_vocab_size)
         head = cls(target.config, draft_vocab_size=len(ids), **options)
         head.init_vocab_head(target, ids)
         return head
