@@ -43,8 +43,7 @@ class DFlashDrafter(HeadDrafter):
             )
         self.block_size = spec.num_draft_tokens + 1
         self.contexts: dict[str, list[RowCache]] = {}
-        natives = [NativeBlock.of(layer.block) for layer in self.head.draft_layers]
-        self.natives = natives if all(n is not None for n in natives) else None
+        self.natives = NativeBlock.all_of([layer.block for layer in self.head.draft_layers])
 
     def release(self, request_id: str) -> None:
         self.contexts.pop(request_id, None)
@@ -81,9 +80,8 @@ class DFlashDrafter(HeadDrafter):
         x = head.block_input(self.parts.embed(anchors).float(), S)  # [R, S, H]
         for li, layer in enumerate(head.draft_layers):
             if self.natives is not None:  # every row sees the whole context and the whole block
-                caches = [ctx[li] for ctx in contexts]
-                masks = [torch.ones(S, c.length + S, dtype=torch.bool) for c in caches]
-                x = self.natives[li].step(x, x, positions, caches, masks, keep=False, attn_norm=layer.norm)
+                x = self.natives[li].step(x, x, positions, [ctx[li] for ctx in contexts], keep=False,
+                                          attn_norm=layer.norm, whole=True)
                 continue
             blk = layer.block
             q, kb, vb = blk.qkv_heads(layer.norm(x), positions)

@@ -56,8 +56,7 @@ class MTPDrafter(HeadDrafter):
     def __init__(self, spec, target) -> None:
         super().__init__(spec, target)
         self.states: dict[str, _State] = {}
-        natives = [NativeBlock.of(module.block) for module in self.head.mtp]
-        self.natives = natives if all(n is not None for n in natives) else None
+        self.natives = NativeBlock.all_of([module.block for module in self.head.mtp])
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)

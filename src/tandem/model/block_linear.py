@@ -52,6 +52,14 @@ def _block_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, layer.out_features)
 
 
+def _weight_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight [out, in] as float32 blocks [out, in/32, 32] of consecutive inputs."""
+    out_features, in_features = weight.shape
+    if in_features % BLOCK:
+        raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
+    return weight.detach().float().reshape(out_features, -1, BLOCK)
+
+
 def fp16_scales(scales: torch.Tensor) -> torch.Tensor:
     """Block scales rounded to fp16 (kept as float32 tensors): the block kernels read them as
     fp16, as GGUF stores them, so GGUF weights lose nothing and a step reads the GGUF's bytes."""
@@ -99,9 +107,7 @@ class BlockQ4Linear(nn.Module):
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockQ4Linear:
         """Round-to-nearest min/max affine quantisation of each block of 32 inputs."""
         out_features, in_features = weight.shape
-        if in_features % BLOCK:
-            raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
-        g = weight.detach().float().reshape(out_features, -1, BLOCK)
+        g = _weight_blocks(weight)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
         scale = fp16_scales(torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo)))
         lo = fp16_scales(lo)
@@ -150,9 +156,7 @@ class BlockQ8Linear(nn.Module):
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> BlockQ8Linear:
         """Symmetric round-to-nearest quantisation of each block of 32 inputs (scale = max|w| / 127)."""
         out_features, in_features = weight.shape
-        if in_features % BLOCK:
-            raise ValueError(f"in_features {in_features} is not a multiple of {BLOCK}")
-        g = weight.detach().float().reshape(out_features, -1, BLOCK)
+        g = _weight_blocks(weight)
         amax = g.abs().amax(dim=-1)
         d = fp16_scales(torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)))
         q = torch.round(g / d[..., None]).clamp_(-127, 127).to(torch.int8)

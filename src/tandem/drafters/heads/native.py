@@ -39,8 +39,7 @@ class NativeBlock:
         self.block, self.kernels = block, kernels
         self.qkv, self.o = block.qkv.blocks(kernels), block.o.blocks(kernels)
         self.gate_up, self.down = block.gate_up.blocks(kernels), block.down.blocks(kernels)
-        self.mlp_norm = block.mlp_norm.weight.detach().float().contiguous()
-        self.eps = block.mlp_norm.eps if block.mlp_norm.eps is not None else torch.finfo(torch.float32).eps
+        self.mlp_norm, self.eps = _norm_parts(block.mlp_norm)
         self.activation = SWIGLU if block.activation == "silu" else GEGLU
         self.cos = self.sin = torch.empty(0)
 
@@ -53,6 +52,12 @@ class NativeBlock:
         if kernels is None or not all(isinstance(m, BlockQ8Linear) for m in linears):
             return None
         return cls(block, kernels)
+
+    @classmethod
+    def all_of(cls, blocks: list[DraftBlock]) -> "list[NativeBlock] | None":
+        """The native paths of a head's blocks, or None unless every one of them has one."""
+        natives = [cls.of(block) for block in blocks]
+        return natives if all(n is not None for n in natives) else None
 
     def _tables(self, positions: int) -> None:
         """cos and sign-folded sin [P, D] (the layout kernels.attend reads) for P > positions."""
@@ -68,17 +73,18 @@ class NativeBlock:
 
     def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
              masks: list[torch.Tensor] | None = None, keep: bool = True, gap: int = 1,
-             attn_norm: torch.nn.RMSNorm | None = None) -> torch.Tensor:
+             attn_norm: torch.nn.RMSNorm | None = None, whole: bool = False) -> torch.Tensor:
         """DraftBlock.step: R requests, t new rows each; x [R, t, H], attn_in [R, t, Din],
         positions [R, t]. The rows' keys are written to each cache after its `length` slots;
         keep=False leaves `length` as it was (the slots are scratch: a draft query, a DFlash
         block). masks: per request [t, n] bool over the cache slots after the append; None: the
         positional rule of DraftBlock (a key is visible at its own slot or at a position <= the
-        query's - gap), for caches whose positions ascend. attn_norm: an RMSNorm the qkv
-        projection applies to attn_in first (fused into it)."""
+        query's - gap), for caches whose positions ascend. whole: every row sees every slot, the
+        cache's and this step's (a DFlash block). attn_norm: an RMSNorm the qkv projection
+        applies to attn_in first (fused into it)."""
         R, t, H = x.shape
         x2 = x.reshape(R * t, H).float().contiguous().clone()
-        attn = self._attend(attn_in, positions, caches, masks, keep, gap, attn_norm)
+        attn = self._attend(attn_in, positions, caches, masks, keep, gap, attn_norm, whole)
         k = self.kernels
         k.linear(attn, self.o, residual=x2, out=x2)
         gate_up = k.linear(x2, self.gate_up, transform=RMS_NORM, norm_weight=self.mlp_norm, eps=self.eps)
@@ -88,11 +94,11 @@ class NativeBlock:
     def write_keys(self, attn_in: torch.Tensor, positions: torch.Tensor, cache: RowCache) -> None:
         """Append the keys and values of rows attn_in [1, t, Din] at positions [1, t] to the
         cache, causally, without the rest of the layer (context rows whose outputs nobody reads)."""
-        self._attend(attn_in, positions, [cache], None, True, 1, None)
+        self._attend(attn_in, positions, [cache], None, True, 1, None, False)
 
     def _attend(self, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
                 masks: list[torch.Tensor] | None, keep: bool, gap: int,
-                attn_norm: torch.nn.RMSNorm | None) -> torch.Tensor:
+                attn_norm: torch.nn.RMSNorm | None, whole: bool) -> torch.Tensor:
         """qkv projection, then per request RoPE + cache write + attention: [R * t, heads * D]."""
         k, blk = self.kernels, self.block
         R, t = positions.shape
@@ -100,15 +106,18 @@ class NativeBlock:
         if attn_norm is None:
             qkv = k.linear(rows, self.qkv)
         else:
-            qkv = k.linear(rows, self.qkv, transform=RMS_NORM, norm_weight=attn_norm.weight.detach().float().contiguous(),
-                           eps=attn_norm.eps if attn_norm.eps is not None else torch.finfo(torch.float32).eps)
+            weight, eps = _norm_parts(attn_norm)
+            qkv = k.linear(rows, self.qkv, transform=RMS_NORM, norm_weight=weight, eps=eps)
         self._tables(int(positions.max()) + 1)
         attn = []
         for r, cache in enumerate(caches):
             cache.reserve(t)
             slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
             rows = positions[r].to(torch.int64)
-            if masks is None:
+            if whole:
+                keys = TreeKeys(rows, torch.full((t,), cache.length + t, dtype=torch.int64),
+                                torch.zeros(t + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+            elif masks is None:
                 keys = _positional_keys(torch.cat([cache.positions[: cache.length].cpu(), rows.cpu()]), slots, gap)
             else:
                 keys = _mask_keys(masks[r], rows)
@@ -119,6 +128,12 @@ class NativeBlock:
             if keep:
                 cache.length += t
         return torch.cat(attn)
+
+
+def _norm_parts(norm: torch.nn.RMSNorm) -> tuple[torch.Tensor, float]:
+    """An RMSNorm's weight as the kernels read it, and its eps (torch's default when unset)."""
+    eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+    return norm.weight.detach().float().contiguous(), eps
 
 
 def _positional_keys(positions: torch.Tensor, slots: torch.Tensor, gap: int) -> TreeKeys:
