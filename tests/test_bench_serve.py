@@ -88,5 +88,18 @@ def test_summary_arithmetic():
 
 def test_url_flag_is_checked():
     assert _parse_url("off=http://127.0.0.1:9/v1/") == ("off", "http://127.0.0.1:9/v1")
-    with pytest.raises(ValueError, match="MODE=URL"):
+    assert _parse_url("confidence:dspark=http://x/v1") == ("confidence:dspark", "http://x/v1")
+    with pytest.raises(ValueError, match="POLICY"):
         _parse_url("turbo=http://x/v1")
+    with pytest.raises(ValueError, match="MODE=URL"):
+        _parse_url("off=ftp://x")
+
+
+def test_a_mode_names_its_policy_and_may_name_its_drafter():
+    from tandem.bench.serve import mode_flags
+
+    assert mode_flags("off") == ["--speculative-algorithm", "none"]
+    assert mode_flags("adaptive") == ["--speculative-policy", "adaptive"]
+    assert mode_flags("confidence:dspark") == ["--speculative-policy", "confidence", "--speculative-algorithm", "dspark"]
+    with pytest.raises(ValueError, match="POLICY"):
+        mode_flags("greedy:dspark")

@@ -33,6 +33,7 @@ METHODS = {
     "mtp": ("mtp", dict(depth=3), 30, 3e-3),
     "draft_model": ("draft_model", dict(num_layers=1), 30, 3e-3),
     "dflash": ("dflash", dict(block_size=6, anchors_per_sequence=12), 60, 5e-3),
+    "dspark": ("dspark", dict(block_size=5, anchors_per_sequence=12, rank=32), 60, 5e-3),
 }
 PROMPTS = [[5, 17, 33, 8, 91, 4], [60, 61, 62], [7] * 11 + [12, 13]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

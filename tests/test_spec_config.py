@@ -36,6 +36,20 @@ def test_serve_flags_carry_the_policy_and_the_default_drafter():
     assert engine.spec.algorithm is None
 
 
+def test_dspark_runs_under_the_confidence_scheduler_unless_told_otherwise():
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    engine, _ = configs_from_args(p.parse_args(["--speculative-algorithm", "dspark"]))
+    assert engine.spec.policy == "confidence"
+    engine, _ = configs_from_args(p.parse_args(["--speculative-algorithm", "dspark", "--speculative-policy", "fixed"]))
+    assert engine.spec.policy == "fixed"
+    engine, _ = configs_from_args(p.parse_args(["--speculative-algorithm", "eagle3"]))
+    assert engine.spec.policy == "adaptive"
+    from tandem.flags import drafter_policy
+
+    assert drafter_policy("dspark") == "confidence" and drafter_policy("eagle3") is None and drafter_policy(None) is None
+
+
 def test_llm_refuses_unknown_or_doubled_speculative_settings():
     # both checks run before any model is loaded
     with pytest.raises(TypeError, match="speculative_num_draft_token"):

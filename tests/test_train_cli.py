@@ -133,3 +133,13 @@ def test_train_cli_init_from_fine_tunes_an_exported_head(tiny_target, tmp_path, 
     assert main([*again[:4], "mtp", *again[5:], "--steps", "1"]) == 2
     assert "holds a medusa head" in capsys.readouterr().err
     assert main([*again[:-1], str(tmp_path / "nothing"), "--steps", "1"]) == 2
+
+
+def test_train_cli_records_a_dspark_heads_calibration(tiny_target, tmp_path):
+    argv = [a for a in _argv(tiny_target, tmp_path, "--steps", "3") if a not in ("--num-heads", "2")]
+    argv[argv.index("medusa")] = "dspark"
+    assert main([*argv, "--head-option", "block_size=3", "--head-option", "rank=32"]) == 0
+    record = json.loads((tmp_path / "out" / "training_record.json").read_text())
+    for kind in ("greedy", "sampled"):
+        calibration = record["calibration"][kind]
+        assert len(calibration["temperatures"]) == 3 and calibration["ece_after"] <= calibration["ece_before"]

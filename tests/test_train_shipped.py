@@ -72,3 +72,27 @@ def test_shipped_eagle3_trees_are_lossless_on_the_real_model():
         assert [o.token_ids for o in got] == want
         taus[topk] = spec.engine.stats.mean_acceptance_length
     assert taus[4] > taus[1]
+
+
+@pytest.mark.slow
+def test_shipped_dspark_under_the_confidence_scheduler_is_lossless_on_the_real_model():
+    """DSpark as tandem serve runs it: two requests at once, each round's verified prefixes
+    admitted across the batch from the shipped head's calibrated confidences."""
+    from tandem.config import EngineConfig, SamplingParams, SpecConfig
+    from tandem.llm import LLM
+    from tandem.scheduler.cost_model import CostCurve
+
+    head_dir = SHIPPED / "dspark"
+    if not (head_dir / "head.json").exists():
+        pytest.skip("no shipped dspark head")
+    plain = LLM(max_model_len=512)
+    curve = CostCurve((1, 4, 8, 16, 64), (1.0, 1.1, 1.35, 2.0, 7.0))  # verification cheap at first, then dear
+    spec = LLM.from_loaded(plain.loaded, EngineConfig(max_model_len=512, spec=SpecConfig(
+        algorithm="dspark", num_draft_tokens=4, policy="confidence")), cost_curve=curve)
+    prompts = ["Explain in three sentences why the sky is blue.", "Natalia sold 48 clips in April and half as many in May. How many in total?"]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    want = [o.token_ids for o in plain.generate(prompts, params, chat=True)]
+    got = spec.generate(prompts, params, chat=True)
+    assert [o.token_ids for o in got] == want
+    lengths = spec.engine.policy.last.draft_lengths
+    assert sum(o.spec.num_accepted_tokens for o in got) > 0 and lengths is not None

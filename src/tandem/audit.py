@@ -198,9 +198,10 @@ class Auditor:
                     DraftInput(f"audit-{start + i}", self.ctx, len(self.ctx), self.k, self.params, g, self.hidden)
                     for i, g in enumerate(draft_gens)
                 ]
-                # The engine's cut, as the engine applies it: the audit checks it too.
-                drafts = [self.engine.policy.cut(inp.request_id, d.pruned(self.k, self.k))
-                          for inp, d in zip(inputs, drafter.propose(inputs))]
+                # The engine's admission, as the engine applies it (the batch's drafts together):
+                # the audit checks it too.
+                drafts = self.engine.policy.admit([inp.request_id for inp in inputs],
+                                                  [d.pruned(self.k, self.k) for d in drafter.propose(inputs)], size)
                 fwd = self.runner.forward([
                     SeqInput(self.rows[i], [self.ctx[-1], *d.token_ids], logits="all",
                              parents=rooted_parents(d.parents))

@@ -75,7 +75,7 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-SPEC_POLICIES = ("fixed", "adaptive")
+SPEC_POLICIES = ("fixed", "adaptive", "confidence")
 TREE_DEPTH = 5  # a tree's depth when --speculative-num-steps is not given
 
 
@@ -92,7 +92,9 @@ class SpecConfig:
     gets the suffix drafter's lookup draft grafted on as one more branch (model-free; it wins
     where the answer copies its context: translation, summaries, RAG). policy: "fixed" drafts the
     full length every round; "adaptive" picks each request's length (a tree's depth) per round
-    from the load, the measured cost curve and its acceptance. min_survival: after proposal, a
+    from the load, the measured cost curve and its acceptance; "confidence" (DSpark's scheduler,
+    for drafters that report calibrated confidences) admits each draft's verified prefix after
+    drafting from the confidences of the whole batch and the cost curve. min_survival: after proposal, a
     chain whose drafter reports confidences is cut where the product of its confidences falls
     below this (0: never; SpeculationPolicy.cut).
     """
@@ -125,15 +127,21 @@ class SpecConfig:
     @classmethod
     def from_prefixed(cls, values: Mapping[str, Any], prefix: str = "speculative_") -> SpecConfig:
         """The settings among `values` named `prefix + field` (LLM's speculative_* keywords,
-        argparse's --speculative-* flags); other keys are ignored, absent fields keep their
-        defaults. One place maps flags to fields, so a new setting is one new field."""
+        argparse's --speculative-* flags); other keys are ignored, absent fields and fields
+        given as None (a flag left unset) keep their defaults. One place maps flags to fields, so
+        a new setting is one new field."""
         names = {f.name for f in fields(cls)}
         return cls(**{k[len(prefix):]: v for k, v in values.items()
-                      if k.startswith(prefix) and k[len(prefix):] in names})
+                      if k.startswith(prefix) and k[len(prefix):] in names and v is not None})
 
     @classmethod
     def prefixed_names(cls, prefix: str = "speculative_") -> frozenset[str]:
         return frozenset(prefix + f.name for f in fields(cls))
+
+    @property
+    def needs_cost_curve(self) -> bool:
+        """The policy prices rounds on the target's measured forward cost curve."""
+        return self.policy in ("adaptive", "confidence")
 
     @property
     def tree(self) -> bool:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES, QUANTIZATIONS, SamplingParams
+from tandem.config import (
+    KV_CACHE_ALIASES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SPEC_POLICIES,
+    SamplingParams,
+)
 from tandem.model.catalogue import DEFAULT_MODEL
 
 
@@ -38,6 +44,11 @@ def add_spec_args(p: argparse.ArgumentParser,
                         "expanded node and this many nodes expanded per depth")
     p.add_argument("--speculative-tree-lookup", action=argparse.BooleanOptionalAction, default=True,
                    help="trees also get a suffix-lookup branch (copies from the context)")
+    p.add_argument("--speculative-policy", default=None, choices=SPEC_POLICIES,
+                   help="fixed: always --speculative-num-draft-tokens (default of generate and audit); adaptive "
+                        "(default of serve): the draft length per request per step from load, cost curve and "
+                        "acceptance; confidence (dspark's default everywhere): the verified prefixes admitted "
+                        "across the batch from the drafter's calibrated confidences and the cost curve")
     p.add_argument("--speculative-min-survival", type=float, default=0.0,
                    help="cut a chain where the product of its drafter's confidences falls below this "
                         "(drafters that report confidences; 0: never)")
@@ -60,3 +71,15 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         repetition_penalty=args.repetition_penalty, max_tokens=args.max_new_tokens,
         seed=args.seed, stop=tuple(args.stop),
     )
+
+
+def drafter_policy(algorithm: str | None) -> str | None:
+    """The policy a drafter names for itself when --speculative-policy is not given
+    (Drafter.serving_policy), or None."""
+    if not algorithm:
+        return None
+    from tandem.drafters import (
+        registry,  # the full table: importing tandem.drafters fills it
+    )
+
+    return getattr(registry.lookup(algorithm, "drafter"), "serving_policy", None)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from tandem.config import SPEC_POLICIES, EngineConfig, ServerConfig, SpecConfig
+from tandem.config import EngineConfig, ServerConfig, SpecConfig
 from tandem.engine.engine import Engine
-from tandem.flags import add_model_args, add_spec_args
+from tandem.flags import add_model_args, add_spec_args, drafter_policy
 from tandem.llm import configure_threads
 from tandem.model.catalogue import DEFAULT_DRAFTERS
 from tandem.model.loader import load_model
@@ -29,8 +29,9 @@ from tandem.server.app import build_app
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.metrics import ServerMetrics
 
-# The server adapts draft lengths to load by default; the library keeps SpecConfig's "fixed"
-# (what you configure is what runs) because a policy without a measured cost curve cannot adapt.
+# The server adapts draft lengths to load by default (a drafter may name its own scheduler:
+# Drafter.serving_policy); the library keeps SpecConfig's "fixed" (what you configure is what
+# runs) because a policy without a measured cost curve cannot adapt.
 SERVE_POLICY = "adaptive"
 NO_SPECULATION = ("none", "off")
 
@@ -39,9 +40,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_spec_args(p, algorithm_help="drafter name; default: the model's default drafter (DEFAULT_DRAFTERS); "
                                     "none: plain decoding")
-    p.add_argument("--speculative-policy", default=SERVE_POLICY, choices=SPEC_POLICIES,
-                   help="adaptive: draft length per request per step from load, cost curve and acceptance; "
-                        "fixed: always --speculative-num-draft-tokens")
     p.add_argument("--host", default=ServerConfig.host)
     p.add_argument("--port", type=int, default=ServerConfig.port)
     p.add_argument("--max-running-requests", type=int, default=EngineConfig.max_num_seqs,
@@ -63,7 +61,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         algorithm = DEFAULT_DRAFTERS.get(args.model)
     elif algorithm.lower() in NO_SPECULATION:
         algorithm = None
-    spec = dataclasses.replace(SpecConfig.from_prefixed(vars(args)), algorithm=algorithm)
+    policy = args.speculative_policy or drafter_policy(algorithm) or SERVE_POLICY
+    spec = dataclasses.replace(SpecConfig.from_prefixed({**vars(args), "speculative_policy": policy}), algorithm=algorithm)
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_running_requests, threads=args.threads, spec=spec,
@@ -84,7 +83,7 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
                         device=engine_config.device, kv_cache_dtype=engine_config.kv_cache_dtype)
     spec = engine_config.spec
     curve = None
-    if spec.algorithm and spec.policy == "adaptive":
+    if spec.algorithm and spec.needs_cost_curve:
         curve = cost_curve_for(loaded, engine_config.device, threads, server_config.cost_profile,
                                server_config.reprofile)
     engine = Engine(loaded, engine_config, cost_curve=curve)

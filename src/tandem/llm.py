@@ -74,9 +74,10 @@ class LLM:
         threads = configure_threads(threads)
         self.loaded = load_model(model, dtype=dtype, quantization=quantization, device=device,
                                  kv_cache_dtype=kv_cache_dtype)
-        # The adaptive policy needs the target's cost curve: measured once per model, kernels,
-        # KV dtype, machine and thread count, then read from the cache (as tandem serve does).
-        curve = cost_curve_for(self.loaded, device, threads) if spec.policy == "adaptive" else None
+        # The adaptive policy and the confidence scheduler need the target's cost curve: measured
+        # once per model, kernels, KV dtype, machine and thread count, then read from the cache
+        # (as tandem serve does).
+        curve = cost_curve_for(self.loaded, device, threads) if spec.needs_cost_curve else None
         self.engine = Engine(self.loaded, self.config, cost_curve=curve)
         # Loading leaves millions of long-lived objects; keep the cyclic GC from rescanning them
         # in the middle of decoding (measured 100+ ms pauses).
@@ -85,11 +86,12 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
 
     @classmethod
-    def from_loaded(cls, loaded, config: EngineConfig) -> "LLM":
-        """Wrap an already loaded model (tests, benchmarks comparing several engines)."""
+    def from_loaded(cls, loaded, config: EngineConfig, cost_curve=None) -> "LLM":
+        """Wrap an already loaded model (tests, benchmarks comparing several engines);
+        cost_curve: for the policies that price rounds (SpecConfig.needs_cost_curve)."""
         self = cls.__new__(cls)
         self.config, self.loaded, self.tokenizer = config, loaded, loaded.tokenizer
-        self.engine = Engine(loaded, config)
+        self.engine = Engine(loaded, config, cost_curve=cost_curve)
         return self
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:

@@ -29,17 +29,32 @@ from tandem.bench.prompts import load_prompt_file, spread_prompts
 from tandem.model.catalogue import DEFAULT_MODEL
 
 MODES = ("adaptive", "fixed", "off")
+POLICY_MODES = ("adaptive", "fixed", "confidence")
 WARMUP_PROMPT = "Say hello."
-MODE_FLAGS = {
-    "adaptive": ["--speculative-policy", "adaptive"],
-    "fixed": ["--speculative-policy", "fixed"],
-    "off": ["--speculative-algorithm", "none"],
-}
+
+
+def mode_flags(mode: str) -> list[str]:
+    """A mode is `off`, or a speculation policy with an optional drafter of its own,
+    POLICY[:ALGORITHM] (`adaptive`, `confidence:dspark`, `fixed:dspark`, `adaptive:eagle3`);
+    without one it serves --algorithm. Returns the server flags it adds."""
+    if mode == "off":
+        return ["--speculative-algorithm", "none"]
+    policy, _, algorithm = mode.partition(":")
+    if policy not in POLICY_MODES:
+        raise ValueError(f"a mode is off or POLICY[:ALGORITHM] with POLICY in {POLICY_MODES}, got {mode!r}")
+    return ["--speculative-policy", policy] + (["--speculative-algorithm", algorithm] if algorithm else [])
+
+
+def checked_mode(mode: str) -> str:
+    """argparse type of --modes and --url: the mode itself, once mode_flags accepts it."""
+    mode_flags(mode)
+    return mode
 SPEEDUP_DEFINITION = (
     "throughput = completion tokens of all requests at a concurrency / wall seconds from the first request "
     "to the last answer; per-user tok/s = mean over requests of (tokens - 1) / (last token time - first token "
     "time), the streaming speed a user sees; ITL = its inverse; speedups divide by the 'off' mode at the same "
-    "concurrency; acceptance and tau (tokens per target forward, bonus included) from each response's spec field"
+    "concurrency; acceptance and tau (tokens per target forward, bonus included) from each response's spec field; "
+    "k (verify_length) = draft tokens verified per target forward, the length the policy chose"
 )
 
 
@@ -68,6 +83,7 @@ class LevelResult:
     acceptance_rate: float
     tau: float
     errors: int
+    verify_length: float = 0.0  # draft tokens verified per target forward (what the policy chose)
     speedup: float | None = None
     per_user_speedup: float | None = None
 
@@ -143,6 +159,7 @@ def summarize(mode: str, concurrency: int, wall: float, results: list[RequestRes
         acceptance_rate=accepted / drafted if drafted else 0.0,
         tau=tokens / forwards if forwards else 1.0,
         errors=len(results) - len(ok),
+        verify_length=drafted / forwards if forwards else 0.0,
     )
 
 
@@ -200,16 +217,18 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
 
 
 def print_table(report: dict) -> None:
-    head = (f"{'conc':>4} {'mode':9} {'tok/s':>8} {'speedup':>7} {'user tok/s':>10} {'user x':>6} "
-            f"{'TTFT p50':>9} {'ITL ms':>7} {'accept':>6} {'tau':>5} {'err':>3}")
+    width = max([9, *(len(m) for m in report["modes"])])
+    head = (f"{'conc':>4} {'mode':{width}} {'tok/s':>8} {'speedup':>7} {'user tok/s':>10} {'user x':>6} "
+            f"{'TTFT p50':>9} {'ITL ms':>7} {'accept':>6} {'tau':>5} {'k':>4} {'err':>3}")
     print(head)
     print("-" * len(head))
     for c, per in report["levels"].items():
         for mode, r in per.items():
             sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
             usp = f"{r['per_user_speedup']:.2f}x" if r["per_user_speedup"] is not None else "-"
-            print(f"{c:>4} {mode:9} {r['throughput']:8.1f} {sp:>7} {r['per_user_tps']:10.1f} {usp:>6} "
-                  f"{r['ttft_p50_ms']:7.0f}ms {r['itl_ms']:7.1f} {r['acceptance_rate']:6.2f} {r['tau']:5.2f} {r['errors']:3d}")
+            print(f"{c:>4} {mode:{width}} {r['throughput']:8.1f} {sp:>7} {r['per_user_tps']:10.1f} {usp:>6} "
+                  f"{r['ttft_p50_ms']:7.0f}ms {r['itl_ms']:7.1f} {r['acceptance_rate']:6.2f} {r['tau']:5.2f} "
+                  f"{r.get('verify_length', 0.0):4.2f} {r['errors']:3d}")
     for mode, ident in report["identity"].items():
         if mode != "off":
             print(f"{mode}: {ident['mismatches']} of {ident['compared']} answers differ from 'off' (greedy: expect 0)")
@@ -273,9 +292,9 @@ def launch_server(mode: str, args, log_dir: Path) -> tuple[subprocess.Popen, str
         cmd += ["--speculative-algorithm", args.algorithm]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    if args.reprofile and mode == "adaptive":
+    if args.reprofile and mode != "off":
         cmd += ["--reprofile"]
-    cmd += MODE_FLAGS[mode]
+    cmd += mode_flags(mode)  # after --algorithm: a mode's own drafter wins
     log_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_dir / f"server-{mode}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -359,9 +378,9 @@ def _exit_on_signal(signum, frame):
 
 def _parse_url(spec: str) -> tuple[str, str]:
     mode, sep, url = spec.partition("=")
-    if not sep or mode not in MODES or not url.startswith("http"):
-        raise ValueError(f"--url takes MODE=URL with MODE in {MODES} and URL like http://host:port/v1, got {spec!r}")
-    return mode, url.rstrip("/")
+    if not sep or not url.startswith("http"):
+        raise ValueError(f"--url takes MODE=URL with URL like http://host:port/v1, got {spec!r}")
+    return checked_mode(mode), url.rstrip("/")
 
 
 def add_serve_bench_parser(kinds) -> None:
@@ -369,7 +388,9 @@ def add_serve_bench_parser(kinds) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--algorithm", default=None, help="drafter (default: the model's default drafter)")
     p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), type=checked_mode,
+                   help="off, or POLICY[:ALGORITHM] with POLICY adaptive, fixed or confidence and a drafter of the "
+                        "mode's own (default --algorithm), e.g. confidence:dspark fixed:dspark adaptive:eagle3 off")
     p.add_argument("--url", action="append", default=[],
                    help="MODE=URL of an already running server for that mode (repeatable); other modes are launched")
     p.add_argument("--served-model", default=None, help="model id the given servers expect (default: --model)")

@@ -11,6 +11,8 @@ per-prompt tokens/s and a speedup is the ratio of two such means.
 from __future__ import annotations
 
 import gc
+import itertools
+import operator
 import os
 import statistics
 import time
@@ -26,6 +28,7 @@ from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters import TargetInfo, available_drafters, create_drafter
 from tandem.llm import LLM
 from tandem.model.kernels import cpu_flags, cpu_name, kernel_description
+from tandem.scheduler.profile import cost_curve_for
 from tandem.types import SpecStats
 
 PLAIN = "plain"
@@ -43,6 +46,10 @@ DEFINITIONS = {
     "drafted_acceptance": "P(the drafter proposes token i and it passes | tokens before it passed, the "
                           "budget allowed i): what expected_tau(., k) needs; an empty or short draft counts "
                           "as a failure",
+    "calibration_error": "drafters that report confidences (dflash, dspark): expected calibration error of the "
+                         "survivals prod_{i<=j} c_i at the verified positions against whether positions 1..j "
+                         "all passed, over 10 equal-width bins (draft.calibration: per bin positions, sum of "
+                         "survivals, passed)",
     "tokens_per_second": "mean over prompts of (generated tokens / wall seconds, prefill included)",
     "speedup": "tokens_per_second over that of the same engine's plain decoding on the same prompts",
 }
@@ -62,12 +69,13 @@ class Method:
     eagle_topk: int = 1
     num_steps: int | None = None
     tree_lookup: bool = True
+    scheduled: bool = False  # verified under the confidence scheduler (dspark), not the full draft
 
     def spec_config(self, num_draft_tokens: int) -> SpecConfig:
         """The engine settings of this method, drafting `num_draft_tokens` unless it names its own."""
         return SpecConfig(algorithm=self.algorithm, num_draft_tokens=self.num_draft_tokens or num_draft_tokens,
                           draft_model_path=self.draft_path, eagle_topk=self.eagle_topk, num_steps=self.num_steps,
-                          tree_lookup=self.tree_lookup)
+                          tree_lookup=self.tree_lookup, policy="confidence" if self.scheduled else "fixed")
 
     @property
     def label(self) -> str:
@@ -82,11 +90,14 @@ class Method:
             name += f"@steps={self.num_steps}"
         if self.eagle_topk > 1 and not self.tree_lookup:
             name += "@lookup=0"
+        if self.scheduled:
+            name += "@sched=1"
         return name
 
 
 # NAME[=PATH]@key=value options of --methods, and the Method field each sets.
-METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_steps", "lookup": "tree_lookup"}
+METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_steps", "lookup": "tree_lookup",
+                  "sched": "scheduled"}
 
 
 def parse_methods(items: list[str]) -> list[Method]:
@@ -108,9 +119,9 @@ def parse_methods(items: list[str]) -> list[Method]:
         for option in options:
             key, _, value = option.partition("=")
             if key not in METHOD_OPTIONS or not value.isdigit():
-                raise ValueError(f"bad option {option!r} in --methods item {item!r}; use @k=N, @topk=N, @steps=N "
-                                 "or @lookup=0|1")
-            fields[METHOD_OPTIONS[key]] = bool(int(value)) if key == "lookup" else int(value)
+                raise ValueError(f"bad option {option!r} in --methods item {item!r}; use @k=N, @topk=N, @steps=N, "
+                                 "@lookup=0|1 or @sched=0|1 (the confidence scheduler)")
+            fields[METHOD_OPTIONS[key]] = bool(int(value)) if key in ("lookup", "sched") else int(value)
         methods.append(Method(name, path or None, **fields))
     if not methods:
         raise ValueError("--methods is empty; name at least one drafter")
@@ -144,6 +155,8 @@ def default_methods(loaded) -> tuple[list[Method], dict[str, str]]:
 
 # ---- what one run records ------------------------------------------------------------------------
 
+CALIBRATION_BINS = 10
+
 
 @dataclass
 class DraftProfile:
@@ -157,6 +170,10 @@ class DraftProfile:
     reached: list[int] = field(default_factory=list)
     passed: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # lengths[n] = rounds that drafted n tokens
+    # Drafters that report confidences: per bin of predicted survival (prod of the confidences up
+    # to a verified position), [positions, sum of survivals, how many of them passed with every
+    # earlier one].
+    calibration: list[list[float]] = field(default_factory=list)
 
     def record(self, budget: int, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -172,10 +189,35 @@ class DraftProfile:
         for i in range(min(accepted, budget)):
             self.passed[i] += 1
 
+    def record_survival(self, survivals: list[float], verified: int, accepted: int) -> None:
+        """A draft's survivals a_j at the positions that were verified, and whether each passed."""
+        if not self.calibration:
+            self.calibration = [[0, 0.0, 0] for _ in range(CALIBRATION_BINS)]
+        for j, a in enumerate(survivals[:verified]):
+            cell = self.calibration[min(int(a * CALIBRATION_BINS), CALIBRATION_BINS - 1)]
+            cell[0] += 1
+            cell[1] += a
+            cell[2] += int(j < accepted)
+
+    @property
+    def calibration_error(self) -> float | None:
+        """Expected calibration error of the survivals: sum over bins of (share of positions) x
+        |mean survival - share that passed|; None without confidences."""
+        total = sum(c[0] for c in self.calibration)
+        if not total:
+            return None
+        return sum(c[0] / total * abs(c[1] / c[0] - c[2] / c[0]) for c in self.calibration if c[0])
+
     def merge(self, other: "DraftProfile") -> None:
         self.rounds += other.rounds
         self.requested += other.requested
         self.seconds += other.seconds
+        if other.calibration:
+            if not self.calibration:
+                self.calibration = [[0, 0.0, 0] for _ in range(CALIBRATION_BINS)]
+            for mine, theirs in zip(self.calibration, other.calibration):
+                for i in range(3):
+                    mine[i] += theirs[i]
         for mine, theirs in ((self.reached, other.reached), (self.passed, other.passed), (self.lengths, other.lengths)):
             _grow(mine, len(theirs))
             for i, v in enumerate(theirs):
@@ -198,13 +240,17 @@ class DraftProfile:
         """The counters back from `as_dict`."""
         return cls(rounds=d["rounds"], requested=d["requested_positions"], seconds=d["seconds"],
                    reached=list(d["reached_per_position"]), passed=list(d["passed_per_position"]),
-                   lengths=list(d["drafted_lengths"]))
+                   lengths=list(d["drafted_lengths"]), calibration=[list(c) for c in d.get("calibration", [])])
 
     def as_dict(self) -> dict:
-        return {"rounds": self.rounds, "requested_positions": self.requested, "seconds": round(self.seconds, 4),
-                "reached_per_position": list(self.reached), "passed_per_position": list(self.passed),
-                "drafted_lengths": list(self.lengths),
-                "drafted_acceptance": [round(a, 4) for a in self.acceptance()]}
+        out = {"rounds": self.rounds, "requested_positions": self.requested, "seconds": round(self.seconds, 4),
+               "reached_per_position": list(self.reached), "passed_per_position": list(self.passed),
+               "drafted_lengths": list(self.lengths),
+               "drafted_acceptance": [round(a, 4) for a in self.acceptance()]}
+        if self.calibration:
+            out["calibration"] = [[c[0], round(c[1], 4), c[2]] for c in self.calibration]
+            out["calibration_error"] = round(self.calibration_error, 4)
+        return out
 
 
 def _grow(counts: list[int], n: int) -> None:
@@ -219,14 +265,17 @@ class _ProbedDrafter:
     def __init__(self, inner) -> None:
         self._inner = inner
         self._budgets: dict[str, int] = {}
+        self._survivals: dict[str, list[float]] = {}
         self.profile = DraftProfile()
 
     def propose(self, batch):
         t = time.perf_counter()
         drafts = self._inner.propose(batch)
         self.profile.seconds += time.perf_counter() - t
-        for inp in batch:
+        for inp, draft in zip(batch, drafts):
             self._budgets[inp.request_id] = inp.max_draft_tokens
+            if draft.confidence is not None and not draft.is_tree:
+                self._survivals[inp.request_id] = list(itertools.accumulate(draft.confidence, operator.mul))
         return drafts
 
     def observe(self, outcomes) -> None:
@@ -234,6 +283,9 @@ class _ProbedDrafter:
             budget = self._budgets.pop(o.request_id, 0)
             if budget:
                 self.profile.record(budget, o.num_drafted, o.num_accepted)
+            survivals = self._survivals.pop(o.request_id, None)
+            if survivals is not None:
+                self.profile.record_survival(survivals, o.num_drafted, o.num_accepted)
         self._inner.observe(outcomes)
 
     def __getattr__(self, name):
@@ -280,7 +332,11 @@ class Baselines(Protocol):
 def _tandem_config(name: str, loaded, method: Method | None, num_draft_tokens: int, max_model_len: int,
                    temperature: float) -> RunConfig:
     spec = SpecConfig(num_draft_tokens=num_draft_tokens) if method is None else method.spec_config(num_draft_tokens)
-    llm = LLM.from_loaded(loaded, EngineConfig(model=loaded.name, max_model_len=max_model_len, max_num_seqs=1, spec=spec))
+    config = EngineConfig(model=loaded.name, max_model_len=max_model_len, max_num_seqs=1, spec=spec)
+    if spec.needs_cost_curve:  # the scheduler prices rounds on the measured (cached) cost curve
+        llm = LLM.from_loaded(loaded, config, cost_curve_for(loaded, config.device, torch.get_num_threads()))
+    else:
+        llm = LLM.from_loaded(loaded, config)
     probe = None
     if llm.engine.drafter is not None:
         probe = llm.engine.drafter = _ProbedDrafter(llm.engine.drafter)

@@ -106,7 +106,8 @@ def print_table(report: dict) -> None:
         draft = r.get("draft") or {}
         per_token = f"{1000 * r['draft_seconds_per_position']:12.2f}" if draft.get("rounds") else f"{'-':>12}"
         per_round = f"{1000 * draft['seconds'] / draft['rounds']:8.2f}" if draft.get("rounds") else f"{'-':>8}"
-        print(f"{label:34} {tau} {acc}  {per_pos:24} {per_token} {per_round} {r['tokens_per_second']:7.1f} {speed}")
+        ece = f"  survival ECE {draft['calibration_error']:.3f}" if "calibration_error" in draft else ""
+        print(f"{label:34} {tau} {acc}  {per_pos:24} {per_token} {per_round} {r['tokens_per_second']:7.1f} {speed}{ece}")
     plain_row = report["categories"][OVERALL]["tandem"].get(PLAIN)
     if plain_row and plain_row["tokens"]:
         print(f"(plain decoding: {1000 * plain_row['seconds'] / plain_row['tokens']:.2f} ms per token, prompts included: "

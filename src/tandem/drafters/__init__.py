@@ -21,7 +21,9 @@ from tandem.drafters import medusa  # noqa: E402,F401
 from tandem.drafters import eagle  # noqa: E402,F401
 from tandem.drafters import mtp  # noqa: E402,F401
 from tandem.drafters import dflash  # noqa: E402,F401
+from tandem.drafters import dspark  # noqa: E402,F401
 from tandem.drafters.heads import dflash as _dflash_head  # noqa: E402,F401
+from tandem.drafters.heads import dspark as _dspark_head  # noqa: E402,F401
 from tandem.drafters.heads import draft_model as _draft_model_head  # noqa: E402,F401
 from tandem.drafters.heads import eagle as _eagle_head  # noqa: E402,F401
 from tandem.drafters.heads import eagle3 as _eagle3_head  # noqa: E402,F401

@@ -94,11 +94,14 @@ class Drafter(ABC):
     proposes a whole block in one forward), not an amount per drafted token (autoregressive
     heads, draft models). The policy prices a round's drafts accordingly.
     Drafts may carry per-token confidences (Draft.confidence) for the policy's cut.
+    serving_policy: the speculation policy `tandem serve` runs this drafter under when none is
+    given (None: the server's default, adaptive).
     """
 
     needs: DrafterNeeds = DrafterNeeds()
     drafts_trees: bool = False
     cost_per_round: bool = False
+    serving_policy: str | None = None
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:
         name = getattr(self, "method_name", type(self).__name__)

@@ -32,16 +32,19 @@ from tandem.types import Draft
 @register("dflash")
 class DFlashDrafter(HeadDrafter):
     cost_per_round = True
+    # The block's anchor output is a draft too (DSpark): a block of S inputs drafts S tokens, not S - 1.
+    anchor_drafts = False
 
     def __init__(self, spec, target) -> None:
         super().__init__(spec, target)
-        trained = self.head.block_size - 1
+        extra = 0 if self.anchor_drafts else 1
+        trained = self.head.block_size - extra
         if spec.num_draft_tokens > trained:
             raise ValueError(
-                f"this dflash head was trained on blocks of {trained} draft tokens: set "
+                f"this {self.method_name} head was trained on blocks of {trained} draft tokens: set "
                 f"--speculative-num-draft-tokens to at most {trained}"
             )
-        self.block_size = spec.num_draft_tokens + 1
+        self.block_size = spec.num_draft_tokens + extra
         self.contexts: dict[str, list[RowCache]] = {}
         self.natives = NativeBlock.all_of([layer.block for layer in self.head.draft_layers])
 
@@ -56,11 +59,16 @@ class DFlashDrafter(HeadDrafter):
             return drafts
         inputs = [batch[i] for i in rows]
         contexts = [self._catch_up(inp) for inp in inputs]
-        logits = self._block_logits(inputs, contexts)  # [R, k, V']
-        for r, inp in enumerate(inputs):
-            budget = min(self.block_size - 1, inp.max_draft_tokens)
-            drafts[rows[r]] = self._draft(inp, logits[r, :budget])
+        for r, draft in zip(rows, self._drafts(inputs, self._block_states(inputs, contexts))):
+            drafts[r] = draft
         return drafts
+
+    def _drafts(self, inputs: list[DraftInput], states: torch.Tensor) -> list[Draft]:
+        """One draft per input from the block's output states [R, S, H]: mask position j's
+        logits give token j, independently of the others."""
+        logits = self.head.head_logits(states[:, 1:])  # [R, k, V']
+        return [self._draft(inp, logits[r, : min(self.block_size - 1, inp.max_draft_tokens)])
+                for r, inp in enumerate(inputs)]
 
     def _draft(self, inp: DraftInput, logits: torch.Tensor) -> Draft:
         """Tokens (and q rows when sampling) from the block's logits [k, V'], cut at a broken row."""
@@ -72,7 +80,8 @@ class DFlashDrafter(HeadDrafter):
         draft = make_draft(tokens[:end], qs[:end])
         return Draft(draft.token_ids, draft.probs, None, confidence) if end else draft
 
-    def _block_logits(self, inputs: list[DraftInput], contexts: list[list[RowCache]]) -> torch.Tensor:
+    def _block_states(self, inputs: list[DraftInput], contexts: list[list[RowCache]]) -> torch.Tensor:
+        """The last draft layer's output [R, S, H] over every request's [anchor, MASK x (S-1)]."""
         head, S = self.head, self.block_size
         anchors = torch.tensor([inp.token_ids[-1] for inp in inputs], device=self.device)
         positions = torch.tensor([len(inp.token_ids) - 1 for inp in inputs], device=self.device)
@@ -93,7 +102,7 @@ class DFlashDrafter(HeadDrafter):
                 outs.append(F.scaled_dot_product_attention(q[r : r + 1], k, v, scale=blk.scale,
                                                            enable_gqa=blk.heads != blk.kv_heads))
             x = blk.finish(x, torch.cat(outs))
-        return head.head_logits(x[:, 1:])
+        return x
 
     def _catch_up(self, inp: DraftInput) -> list[RowCache]:
         """The request's per-layer context caches extended by its new hidden rows (positions

@@ -68,7 +68,7 @@ class Engine:
         if config.spec.algorithm:
             target = TargetInfo.of(loaded, tuple(self.eos_ids), config.device)
             self.drafter = create_drafter(config.spec, target)
-            self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round)
+            self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round, self.runner.verify_rows)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SpecStats()
@@ -169,8 +169,8 @@ class Engine:
     def _verify_forward(self, batch: list[Request], drafts: list[Draft]):
         """One target forward over every request's next token and draft, token by token: each
         verified token (tree node) sees exactly what plain decoding of its path would. Returns
-        the output and the padded token count the forward covered (the runner pads every
-        sequence to the longest)."""
+        the output and the rows the forward computed (ModelRunner.verify_rows), which the policy
+        learns the cost curve from."""
         inputs = [
             SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all",
                      parents=rooted_parents(d.parents))
@@ -178,7 +178,7 @@ class Engine:
         ]
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
         out = self.runner.forward(inputs, needs, token_by_token=True)
-        return out, len(batch) * max(len(i.token_ids) for i in inputs)
+        return out, self.runner.verify_rows([len(i.token_ids) for i in inputs])
 
     def _commit_round(self, req: Request, draft: Draft, committed: list[int], path: list[int],
                       hidden: dict[int, torch.Tensor]) -> tuple[StepUpdate, RoundCounts]:
@@ -214,8 +214,10 @@ class Engine:
         drafts = [Draft.empty() for _ in batch]
         t0 = time.perf_counter()
         proposed = self.drafter.propose(inputs) if inputs else []
-        for i, inp, draft in zip(rows, inputs, proposed):
-            drafts[i] = self.policy.cut(inp.request_id, draft.pruned(inp.max_draft_tokens, self._cache_room(batch[i])))
+        pruned = [d.pruned(inp.max_draft_tokens, self._cache_room(batch[i])) for i, inp, d in zip(rows, inputs, proposed)]
+        # What to verify of each draft: the same rules as the lengths, decided for the batch at once.
+        for i, draft in zip(rows, self.policy.admit([inp.request_id for inp in inputs], pruned, len(batch))):
+            drafts[i] = draft
         if inputs:
             units = len(rows) if self.drafter.cost_per_round else sum(drafts[i].depth for i in rows)
             self.policy.observe_draft_time(time.perf_counter() - t0, units)

@@ -77,6 +77,13 @@ class ModelRunner:
         self.fused = FusedDecoder.for_model(model) if self.device.type == "cpu" else None
         self.windows = sorted(set(model.cfg.layer_windows), key=lambda w: -1 if w is None else w)
 
+    def verify_rows(self, lengths) -> int:
+        """The token rows a forward over sequences of these new-token counts computes: their sum
+        on the fused path (flat rows), every sequence padded to the longest on the general one."""
+        if self.fused is not None:
+            return sum(lengths)
+        return len(lengths) * max(lengths, default=0)
+
     @torch.inference_mode()
     def forward(
         self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = (), token_by_token: bool = False

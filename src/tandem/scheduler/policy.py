@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tandem.config import SpecConfig
 from tandem.scheduler.cost_model import CostCurve
@@ -35,6 +35,11 @@ MIN_GAIN = 0.03
 # the newest round in that size's moving average.
 MIN_MEASURED = 5
 MEASURED_EMA = 0.1
+
+
+def padded_rows(lengths: Sequence[int]) -> int:
+    """Rows of a forward that pads every sequence to the longest (the general [B, T] path)."""
+    return len(lengths) * max(lengths, default=0)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,12 @@ class SpeculationPolicy(ABC):
             keep += 1
         return draft.truncated(keep)
 
+    def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int) -> list[Draft]:
+        """The part of this round's drafts to verify, for all drafting requests together (`batch`:
+        every running request, drafting or not). The same rules as `cut` bind it; the default
+        cuts each draft on its own."""
+        return [self.cut(r, d) for r, d in zip(request_ids, drafts)]
+
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A request's draft of `drafted` tokens (a tree: its depth) had its first `accepted` accepted."""
 
@@ -140,7 +151,8 @@ class SpeculationPolicy(ABC):
         whose cost is per round: one per draft) for the batch."""
 
     def observe_round(self, tokens: int, seconds: float) -> None:
-        """A verification round over `tokens` (padded) tokens took `seconds`, drafting excluded."""
+        """A verification round over `tokens` rows (those the runner computed) took `seconds`,
+        drafting excluded."""
 
     def release(self, request_id: str) -> None:
         """The request finished: drop what the policy kept about it."""
@@ -163,12 +175,13 @@ class AdaptivePolicy(SpeculationPolicy):
     """Maximise predicted committed tokens per second of the whole batch.
 
     Request r with conditional acceptance a_r[i] (moving average of its own past rounds) commits
-    tau_r(k) = 1 + sum_{j<k} prod_{i<=j} a_r[i] tokens per forward with k drafts. The verification
-    forward pads every request to the longest chain, so with a common cap K it covers
-    B * (K + 1) tokens and costs curve(B * (K + 1)) (the runner's [B, T] layout), plus the
-    drafter's time; `curve` is the profile corrected by measured rounds (LiveCurve). Trees
-    (eagle_topk > 1): K is the depth, a_r[i] the acceptance at depth i, and each request is
-    costed at its full node budget, num_draft_tokens + 1 tokens, whatever K (an upper bound). For each K in
+    tau_r(k) = 1 + sum_{j<k} prod_{i<=j} a_r[i] tokens per forward with k drafts. With a common cap K
+    each request verifies min(K, ...) + 1 tokens, and the forward costs curve(rows) plus the
+    drafter's time, where rows = verify_rows(those lengths) is what the runner really computes
+    (ModelRunner.verify_rows: their sum on the fused path, B x the longest on the padded one);
+    `curve` is the profile corrected by measured rounds (LiveCurve). Trees (eagle_topk > 1): K
+    is the depth, a_r[i] the acceptance at depth i, and each drafting request is costed at its
+    full node budget, num_draft_tokens + 1 tokens, whatever K (an upper bound). For each K in
     0..k_max each request drafts min(K, limit, useful) where `useful` drops positions whose
     expected tokens cost more draft time than they save; the K with the best tokens/second wins
     if it beats plain decoding (K = 0: B tokens per curve(B)) by MIN_GAIN. A drafter whose cost is
@@ -184,9 +197,11 @@ class AdaptivePolicy(SpeculationPolicy):
         prior: float = PRIOR_ACCEPTANCE,
         min_gain: float = MIN_GAIN,
         per_round_drafts: bool = False,
+        verify_rows: Callable[[Sequence[int]], int] = padded_rows,
     ) -> None:
         super().__init__(spec.min_survival)
         self.per_round_drafts = per_round_drafts
+        self.verify_rows = verify_rows
         if curve is None:
             raise ValueError(
                 "the adaptive speculation policy needs the target's forward cost curve: pass cost_curve= "
@@ -230,10 +245,10 @@ class AdaptivePolicy(SpeculationPolicy):
             ks = [min(K, len(s)) for s in survival]
             if max(ks) < K:
                 break  # no request can use a chain this long: larger K would repeat the last one
-            T = self.tree_tokens or K + 1
+            lengths = [(self.tree_tokens or k + 1) if k else 1 for k in ks]
             committed = B + sum(sum(s[:k]) for s, k in zip(survival, ks))
             units = sum(k > 0 for k in ks) if self.per_round_drafts else sum(ks)
-            seconds = self.curve(B * T) + self.draft_seconds_per_unit * units
+            seconds = self.curve(self.verify_rows(lengths)) + self.draft_seconds_per_unit * units
             rate = committed / seconds
             if rate > best_rate and rate > plain_rate * (1.0 + self.min_gain):
                 best_ks, best_rate = ks, rate
@@ -264,9 +279,128 @@ class AdaptivePolicy(SpeculationPolicy):
         self.acceptance.pop(request_id, None)
 
 
-def create_policy(spec: SpecConfig, curve: CostCurve | None = None, per_round_drafts: bool = False) -> SpeculationPolicy:
+class ConfidenceScheduler(SpeculationPolicy):
+    """DSpark's confidence-scheduled verification (docs/algorithms.md section 6).
+
+    After drafting, each drafting request r reports survivals a_{r,j} = prod_{i<=j} c_{r,i} from
+    its drafter's calibrated confidences. `admit` takes the (r, j) pairs of the whole batch in
+    descending a (ties: smaller j first, so every request's admitted pairs form a prefix) and
+    keeps adding them while the predicted throughput, (B + sum of admitted a) / curve(rows),
+    rises; it stops at the first pair that would lower it. `curve` is the profile corrected by
+    measured rounds and rows = verify_rows(1 + each request's admitted length): the rows the
+    runner really computes. Drafting is sunk by then, so only verification is priced.
+
+    Stopping at the first drop is what keeps it lossless: whether (r, j) is admitted depends only
+    on the pairs ranked before it, and (r, j+1), whose survival reads x_{r,j}, never ranks before
+    (r, j). An admission that looked past a dip, or picked the best set overall, would decide on
+    x_{r,j} from a value that depends on it.
+
+    Before drafting, `draft_lengths` runs the same admission on optimistic survivals (each
+    request's recent first-token confidence, raised to the power j), with the drafter's measured
+    seconds per drafting request added to the cost: when it admits nothing for a request, that
+    request does not draft this round, and when it admits nothing at all, nothing is drafted.
+    """
+
+    def __init__(self, spec: SpecConfig, curve: CostCurve | None,
+                 verify_rows: Callable[[Sequence[int]], int] = padded_rows, min_gain: float = MIN_GAIN) -> None:
+        super().__init__(0.0)
+        if curve is None:
+            raise ValueError(
+                "the confidence scheduler needs the target's forward cost curve: pass cost_curve= "
+                "(tandem serve measures it at startup), or use policy='fixed'"
+            )
+        if spec.tree:
+            raise ValueError("the confidence scheduler verifies chains: use --speculative-eagle-topk 1")
+        self.curve = LiveCurve(curve)
+        self.k_max = spec.max_draft_len
+        self.verify_rows = verify_rows
+        self.min_gain = min_gain
+        self.first_confidence: dict[str, float] = {}  # each request's recent c_1 (past rounds only)
+        self.draft_seconds_per_unit = 0.0
+
+    def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
+        B = len(batch)
+        if B == 0:
+            return []
+        survivals = []
+        for slot in batch:
+            c = self.first_confidence.get(slot.request_id, 1.0)
+            survivals.append([c ** (j + 1) for j in range(max(0, min(slot.limit, self.k_max)))])
+        lengths = self._admission(B, survivals, self.draft_seconds_per_unit)
+        plain = B / self.curve(B)
+        rate = self._rate(B, survivals, lengths, self.draft_seconds_per_unit)
+        if rate <= plain * (1.0 + self.min_gain):
+            lengths = [0] * B
+        # A request that may draft drafts its whole block: the drafter's cost is per round.
+        ks = [min(slot.limit, self.k_max) if n else 0 for slot, n in zip(batch, lengths)]
+        for slot, k in zip(batch, ks):
+            if not k and slot.request_id in self.first_confidence:  # retried after a while
+                c = self.first_confidence[slot.request_id]
+                self.first_confidence[slot.request_id] = c + RELAX * (1.0 - c)
+        return ks
+
+    def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int) -> list[Draft]:
+        survivals = []
+        for rid, d in zip(request_ids, drafts):
+            if d.is_tree or d.confidence is None:
+                raise ValueError("the confidence scheduler needs chain drafts with confidences (dspark, dflash)")
+            if len(d):
+                c = self.first_confidence.get(rid, d.confidence[0])
+                self.first_confidence[rid] = c + REQUEST_EMA * (d.confidence[0] - c)
+            s, reach = [], 1.0
+            for c in d.confidence:
+                reach *= c
+                s.append(reach)
+            survivals.append(s)
+        others = batch - len(drafts)  # running requests without a draft: one row, one token each
+        lengths = self._admission(batch, [[] for _ in range(others)] + survivals, 0.0)[others:]
+        predicted = self._rate(batch, [[]] * others + survivals, [0] * others + lengths, 0.0)
+        self.last = Decision(batch, tuple(lengths), predicted * self.curve(batch) / batch)
+        return [d.truncated(n) for d, n in zip(drafts, lengths)]
+
+    def _admission(self, batch: int, survivals: Sequence[Sequence[float]], draft_seconds: float) -> list[int]:
+        """Admitted prefix lengths: pairs in descending survival, stopping at the first drop.
+        draft_seconds: the cost of each request that gets at least one pair (0 once drafted)."""
+        order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
+                       key=lambda t: (-t[0], t[1], t[2]))
+        lengths = [0] * len(survivals)
+        best = self._rate(batch, survivals, lengths, draft_seconds)
+        for _, j, r in order:
+            lengths[r] += 1
+            rate = self._rate(batch, survivals, lengths, draft_seconds)
+            if rate <= best:
+                lengths[r] -= 1
+                break
+            best = rate
+        return lengths
+
+    def _rate(self, batch: int, survivals: Sequence[Sequence[float]], lengths: Sequence[int], draft_seconds: float) -> float:
+        """Predicted committed tokens per second: every running request commits one token plus
+        the survivals of its admitted prefix; the rows are each request's 1 + admitted length."""
+        committed = batch + sum(sum(s[:n]) for s, n in zip(survivals, lengths))
+        rows = [1 + n for n in lengths] + [1] * (batch - len(lengths))
+        seconds = self.curve(self.verify_rows(rows)) + draft_seconds * sum(n > 0 for n in lengths)
+        return committed / seconds
+
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        self.curve.observe(tokens, seconds)
+
+    def observe_draft_time(self, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            self.draft_seconds_per_unit += 0.2 * (seconds / tokens - self.draft_seconds_per_unit)
+
+    def release(self, request_id: str) -> None:
+        self.first_confidence.pop(request_id, None)
+
+
+def create_policy(spec: SpecConfig, curve: CostCurve | None = None, per_round_drafts: bool = False,
+                  verify_rows: Callable[[Sequence[int]], int] = padded_rows) -> SpeculationPolicy:
     """The policy spec.policy names (SpecConfig has validated the name); per_round_drafts: the
-    drafter's cost is per round (Drafter.cost_per_round), which the adaptive policy prices."""
+    drafter's cost is per round (Drafter.cost_per_round), which the adaptive policy prices;
+    verify_rows: the rows a verification forward computes for given per-request lengths
+    (ModelRunner.verify_rows), which the adaptive policy and the confidence scheduler price."""
     if spec.policy == "fixed":
         return FixedPolicy(spec, curve)
-    return AdaptivePolicy(spec, curve, per_round_drafts=per_round_drafts)
+    if spec.policy == "confidence":
+        return ConfidenceScheduler(spec, curve, verify_rows)
+    return AdaptivePolicy(spec, curve, per_round_drafts=per_round_drafts, verify_rows=verify_rows)

@@ -25,7 +25,7 @@ from tandem.paths import cache_root
 from tandem.train.capture import CapturedData, capture_in_memory, engine_forward_factory, sequences, write_captures
 from tandem.train.data import DistillConfig, PromptSplit, distill, load_prompts
 from tandem.train.hf_backend import distill_hf, hf_forward_factory, load_hf_target
-from tandem.train.trainer import CHECKPOINT, TrainConfig, TrainResult, train
+from tandem.train.trainer import CHECKPOINT, TrainConfig, TrainResult, calibrate, train
 
 log = logging.getLogger("tandem.train")
 
@@ -189,6 +189,7 @@ def cmd_train(args) -> int:
 
     # 3. Optimise, evaluate, export.
     result = train(head, target, data, held, cfg, args.out, resume=args.resume, eval_first=bool(args.init_from))
+    calibration = calibrate(head, target, held, cfg.device, cfg.batch_size)
     record = {
         "target": loaded.name,
         "method": args.method,
@@ -208,6 +209,7 @@ def cmd_train(args) -> int:
                      "steps_done": result.step, "finished": result.finished, "train_seconds": round(result.seconds, 1),
                      "last_loss": result.last_loss},
         "held_out": asdict(result.eval) if result.eval else None,
+        **({"calibration": calibration} if calibration else {}),
         "command_seconds": round(time.perf_counter() - t_start, 1),
     }
     dtype = torch.bfloat16 if args.export_dtype == "bfloat16" else torch.float32

@@ -159,6 +159,20 @@ def evaluate(head: DraftHead, target: TargetParts, data: CapturedData, k: int, d
     return EvalResult.from_correct(torch.cat(parts), lengths)
 
 
+@torch.no_grad()
+def calibrate(head: DraftHead, target: TargetParts, data: CapturedData | None, device: str, batch_size: int = 8) -> dict | None:
+    """The head's own calibration (DraftHead.calibrate) on the held-out data, in eval mode."""
+    if data is None:
+        return None
+    was_training = head.training
+    head.eval()
+    report = head.calibrate((data.batch(s, idx, device) for s, idx in data.in_order(batch_size)), target)
+    head.train(was_training)
+    if report:
+        log.info("calibration on held-out answers: %s", report)
+    return report
+
+
 @dataclass
 class TrainResult:
     step: int

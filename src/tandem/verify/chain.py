@@ -36,7 +36,7 @@ def verify_chain(
         own k + 1 are padding and never read for decisions.
     draft_tokens: [B, K] long; positions past a request's own k are padding (any value).
     draft_probs: see DraftProbs; q must be processed exactly like the distribution the drafter
-        sampled from (docs/algorithms.md section 7).
+        sampled from (docs/algorithms.md section 8).
     num_drafts: [B] each request's own k in [0, K]; k = 0 samples one token from p_1.
     generators: one per request. A sampled request draws k + 1 fp64 uniforms per round from its
         own generator (k acceptance tests, then the recovered/bonus draw), so its tokens do not

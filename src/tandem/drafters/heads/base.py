@@ -211,6 +211,11 @@ class DraftHead(nn.Module):
         1 + sum_i mean(prod_{j<=i} correct_j)."""
         raise NotImplementedError
 
+    def calibrate(self, batches, target: TargetParts) -> dict | None:
+        """Fit what a head calibrates after training (DSpark: its confidences) on held-out
+        TrainBatches; returns what to record (None: nothing to calibrate)."""
+        return None
+
     def config_dict(self) -> dict:
         """Everything `from_config` needs to rebuild the module (sizes, layers, draft vocab size)."""
         raise NotImplementedError

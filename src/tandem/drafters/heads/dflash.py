@@ -144,6 +144,12 @@ class DFlashHead(FusedLayersVocab, DraftHead):
                      size: int) -> torch.Tensor:
         """Logits [B, m, size, V'] of blocks of `size` at anchors [B, m] (positions in the batch,
         >= 1), each block seeing the context before its anchor and its own block."""
+        return self.head_logits(self.block_states(batch, target, context, anchors, size))
+
+    def block_states(self, batch: TrainBatch, target: TargetParts, context: torch.Tensor, anchors: torch.Tensor,
+                     size: int) -> torch.Tensor:
+        """The last draft layer's output [B, m, size, H] (before out_norm) of the blocks
+        block_logits scores."""
         B, T, _ = context.shape
         m = anchors.shape[1]
         offsets = torch.arange(size, device=anchors.device)
@@ -162,7 +168,7 @@ class DFlashHead(FusedLayersVocab, DraftHead):
             k, v = blk._expand(torch.cat([kc, kb], dim=2)), blk._expand(torch.cat([vc, vb], dim=2))
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=blk.scale)
             x = blk.finish(x, attn)
-        return self.head_logits(x).reshape(B, m, size, -1)
+        return x.reshape(B, m, size, -1)
 
     def sample_anchors(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(anchors [B, m], valid [B, m]): up to anchors_per_sequence distinct random positions a

@@ -1,0 +1,158 @@
+"""DSpark: the anchor's output is draft token 0, the sequential head conditions each token on the
+one before it, a token's confidence and q are fixed before it is drawn, and the calibration fits
+and is saved with the head (`tandem train` recording it: test_train_cli). (Greedy identity, the
+sampled audit and the per-method checks run in test_drafter_heads; the scheduler in
+test_scheduler_confidence.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from heads_fixtures import hf_tokenizer, make_batch, parts
+from test_drafter_heads import GREEDY, PROMPTS, make_llm, plain, prefill_hidden, trained
+
+from tandem.config import SamplingParams
+from tandem.drafters import DraftInput
+from tandem.drafters.heads.base import TrainBatch
+from tandem.drafters.heads.dspark import (
+    expected_calibration_error,
+    fit_survival_temperatures,
+    survival,
+)
+from tandem.drafters.heads.io import build_head, load_head, save_head
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def saved_dspark(tmp_path_factory):
+    return save_head(trained("dspark"), tmp_path_factory.mktemp("dspark"), "sharp-qwen2-0", {"steps": 1},
+                     tokenizer=hf_tokenizer())
+
+
+def reference_chain(head, llm, ids: list[int], k: int) -> tuple[list[int], list[float]]:
+    """The greedy chain and its uncalibrated confidence logits recomputed from the training
+    forward on the committed context: block at the last token, then the sequential head."""
+    p = parts()
+    hidden = prefill_hidden(llm, ids)
+    T = len(ids)
+    h = {layer: torch.zeros(1, T, hidden[layer].shape[-1]) for layer in head.serving_layers}
+    for layer in h:
+        h[layer][0, : T - 1] = hidden[layer].float()
+    batch = TrainBatch(torch.tensor([ids]), torch.tensor([T]), torch.zeros(1, T, dtype=torch.bool), h)
+    with torch.no_grad():
+        out = head.out_norm(head.block_states(batch, p, head.context(h), torch.tensor([[T - 1]]), k)[0, 0])
+        logits = head.lm_head(out)
+        previous = head.draft_index(torch.tensor([ids[-1]]))[0]
+        tokens, conf = [], []
+        for j in range(k):
+            code, bias = head.sequential(previous)
+            conf.append(float(head.confidence_logit(out[j], code)))
+            previous = (logits[j] + bias).argmax(-1)
+            tokens.append(int(head.to_target_ids(previous)))
+    return tokens, conf
+
+
+def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved_dspark):
+    """Across rounds with rejections, every greedy draft (k tokens from a block of k inputs) and
+    its confidences are the training forward's on the committed context."""
+    llm = make_llm("dspark", saved_dspark, k=3)
+    drafter = llm.engine.drafter
+    assert drafter.block_size == 3  # the anchor drafts too
+    seen = []
+    propose = drafter.propose
+
+    def recording(batch):
+        drafts = propose(batch)
+        seen.extend((list(inp.token_ids), d) for inp, d in zip(batch, drafts))
+        return drafts
+
+    drafter.propose = recording
+    out = llm.generate(PROMPTS, GREEDY)
+    assert tuple(tuple(o.token_ids) for o in out) == plain()
+    assert 0 < llm.engine.stats.acceptance_rate < 1
+    head = drafter.head
+    for ids, draft in seen:
+        tokens, logits = reference_chain(load_head(saved_dspark, parts()), llm, ids, 3)
+        assert draft.token_ids == tokens[: len(draft)]
+        expected = [float(head.confidence(torch.tensor(x), j, True)) for j, x in enumerate(logits)]
+        assert draft.confidence == pytest.approx(expected[: len(draft)], abs=2e-2)  # served: 8-bit linears
+
+
+def test_the_sequential_head_conditions_each_token_on_the_one_before():
+    head = trained("dspark").eval()
+    with torch.no_grad():
+        biases = head.sequential(torch.tensor([0, 1, len(head.draft_ids)]))[1]
+    assert not torch.allclose(biases[0], biases[1]) and not torch.allclose(biases[1], biases[2])
+    fresh = build_head("dspark", parts(), block_size=4, rank=32)
+    assert torch.count_nonzero(fresh.sequential(torch.tensor([3]))[1]) == 0  # starts as the backbone
+
+
+def test_a_sampled_tokens_q_and_confidence_are_fixed_before_it_is_drawn(saved_dspark):
+    """Many seeds from one context: wherever two drafts share x_0..x_{j-1}, their q_j and c_j are
+    equal whatever x_j each drew, and q_j is the distribution x_j was drawn from."""
+    llm = make_llm("dspark", saved_dspark, k=3)
+    drafter = llm.engine.drafter
+    ctx = PROMPTS[0]
+    hidden = prefill_hidden(llm, ctx)
+    params = SamplingParams(temperature=1.0)
+    drafts = drafter.propose([DraftInput(f"r{i}", ctx, len(ctx), 3, params, torch.Generator().manual_seed(i), hidden)
+                              for i in range(64)])
+    by_prefix: dict[tuple, list] = {}
+    for d in drafts:
+        for j in range(len(d)):
+            by_prefix.setdefault(tuple(d.token_ids[:j]), []).append((d.token_ids[j], d.probs[j], d.confidence[j]))
+    shared = [v for v in by_prefix.values() if len({t for t, _, _ in v}) > 1]
+    assert shared  # some prefix was followed by different tokens
+    for group in shared:
+        for _, q, c in group[1:]:
+            torch.testing.assert_close(q, group[0][1])
+            assert c == group[0][2]
+        assert all(float(q[t]) > 0 for t, q, _ in group)
+
+
+def test_a_block_longer_than_the_trained_one_is_refused(saved_dspark):
+    with pytest.raises(ValueError, match="at most 5"):
+        make_llm("dspark", saved_dspark, k=6)
+
+
+def test_options_are_checked():
+    for bad in (dict(rank=0), dict(block_size=0), dict(tv_loss_weight=-1.0)):
+        with pytest.raises(ValueError):
+            build_head("dspark", parts(), **bad)
+
+
+def test_loss_falls_and_reports_its_terms():
+    p, batch = parts(), make_batch()
+    torch.manual_seed(0)
+    head = build_head("dspark", p, block_size=4, rank=32)
+    with torch.no_grad():
+        loss0, metrics = head.training_loss(batch, p)
+        assert {"ce", "tv", "bce"} <= set(metrics)
+        assert float(trained("dspark").training_loss(batch, p)[0]) < float(loss0)
+        assert head.draft_accuracy(batch, p, 6)[:, 4:].sum() == 0  # past the block of 4: never drafted
+
+
+def test_temperature_fitting_recovers_a_known_temperature():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(20000, 3, generator=g) * 3
+    true = torch.tensor([2.0, 0.5, 1.0])
+    passes = torch.bernoulli(torch.sigmoid(logits / true), generator=g)
+    outcome = torch.cumprod(passes, dim=1)
+    valid = torch.ones_like(outcome, dtype=torch.bool)
+    temps = fit_survival_temperatures(logits, outcome, valid)
+    assert temps == pytest.approx(true.tolist(), rel=0.15)
+    before = expected_calibration_error(survival(logits, torch.ones(3)), outcome, valid)
+    after = expected_calibration_error(survival(logits, torch.tensor(temps)), outcome, valid)
+    assert after < 0.02 < before
+
+
+def test_calibration_lowers_the_error_and_is_saved_with_the_head(tmp_path):
+    p, batch = parts(), make_batch()
+    head = trained("dspark")
+    report = head.calibrate([batch], p)
+    for kind in ("greedy", "sampled"):
+        assert report[kind]["ece_after"] <= report[kind]["ece_before"]
+        assert len(report[kind]["temperatures"]) == head.block_size
+    save_head(head, tmp_path, "sharp-qwen2-0", {"steps": 1}, tokenizer=hf_tokenizer())
+    torch.testing.assert_close(load_head(tmp_path, p).confidence_temperature, head.confidence_temperature)
