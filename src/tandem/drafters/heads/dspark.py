@@ -149,6 +149,19 @@ class DSparkHead(DFlashHead):
 
     # ---- evaluation and calibration ---------------------------------------------------------------
 
+    def _start_blocks(self, batch: TrainBatch, target: TargetParts, size: int):
+        """Blocks from every loss-masked start (b, t) of the batch, in chain_rows order: the chain
+        from t knows x_{t+1}, its anchor. Yields (rows of those starts, anchors [n], normed
+        outputs [n, size, H]) for up to EVAL_BLOCKS starts of one sequence at a time."""
+        context = self.context({layer: batch.hidden[layer] for layer in self.serving_layers})
+        b0, t0, _ = chain_rows(batch, 0)
+        for b in range(batch.loss_mask.shape[0]):
+            one = TrainBatch(batch.token_ids[b : b + 1], batch.lengths[b : b + 1], batch.loss_mask[b : b + 1], {})
+            for chunk in (b0 == b).nonzero(as_tuple=True)[0].split(EVAL_BLOCKS):
+                anchors = t0[chunk] + 1
+                states = self.block_states(one, target, context[b : b + 1], anchors.unsqueeze(0), size)[0]
+                yield chunk, anchors, self.out_norm(states)
+
     @torch.no_grad()
     def greedy_chains(self, batch: TrainBatch, target: TargetParts, k: int):
         """Greedy drafts of k tokens from every loss-masked start of the batch, drafted as the
@@ -158,25 +171,20 @@ class DSparkHead(DFlashHead):
         if k > self.block_size:
             raise ValueError(f"this dspark head drafts blocks of {self.block_size} tokens; k={k} is more")
         greedy = target_argmax(batch, target)
-        context = self.context({layer: batch.hidden[layer] for layer in self.serving_layers})
-        b0, t0, _ = chain_rows(batch, 0)
-        drafts = torch.zeros(len(b0), k, dtype=torch.long, device=greedy.device)
-        conf = torch.zeros(len(b0), k, device=greedy.device)
-        for b in range(batch.loss_mask.shape[0]):
-            starts = (b0 == b).nonzero(as_tuple=True)[0]
-            for chunk in starts.split(EVAL_BLOCKS):
-                anchors = (t0[chunk] + 1).unsqueeze(0)  # the chain from t knows x_{t+1}: the anchor
-                one = TrainBatch(batch.token_ids[b : b + 1], batch.lengths[b : b + 1], batch.loss_mask[b : b + 1], {})
-                h = self.out_norm(self.block_states(one, target, context[b : b + 1], anchors, self.block_size)[0, :, :k])
-                logits = self.lm_head(h)
-                previous = self.draft_index(batch.token_ids[b, anchors[0]])
-                for s in range(k):
-                    code, bias = self.sequential(previous)
-                    conf[chunk, s] = self.confidence_logit(h[:, s], code).to(conf.device)
-                    previous = (logits[:, s] + bias).argmax(-1)
-                    drafts[chunk, s] = self.to_target_ids(previous).to(drafts.device)
-        correct = torch.zeros(len(b0), k, dtype=torch.bool, device=greedy.device)
-        inside = torch.zeros(len(b0), k, dtype=torch.bool, device=greedy.device)
+        n = int(batch.loss_mask.sum())
+        drafts = torch.zeros(n, k, dtype=torch.long, device=greedy.device)
+        conf = torch.zeros(n, k, device=greedy.device)
+        for chunk, anchors, h in self._start_blocks(batch, target, self.block_size):
+            h = h[:, :k]
+            logits = self.lm_head(h)
+            previous = self.draft_index(batch.token_ids[chain_rows(batch, 0)[0][chunk], anchors])
+            for s in range(k):
+                code, bias = self.sequential(previous)
+                conf[chunk, s] = self.confidence_logit(h[:, s], code).to(conf.device)
+                previous = (logits[:, s] + bias).argmax(-1)
+                drafts[chunk, s] = self.to_target_ids(previous).to(drafts.device)
+        correct = torch.zeros(n, k, dtype=torch.bool, device=greedy.device)
+        inside = torch.zeros(n, k, dtype=torch.bool, device=greedy.device)
         for s in range(k):
             b, t, valid = chain_rows(batch, 1 + s)
             correct[:, s] = valid & (drafts[:, s] == greedy[b, t])
@@ -194,30 +202,23 @@ class DSparkHead(DFlashHead):
         """Along the answers (teacher forcing), every block position's uncalibrated confidence
         logit and 1 - TV(q_j, p_j), the chance a sampled token passes at temperature 1:
         (acceptance [N, S], logits [N, S], inside [N, S]) over the loss-masked starts."""
-        S = self.block_size
-        context = self.context({layer: batch.hidden[layer] for layer in self.serving_layers})
+        S, T = self.block_size, batch.loss_mask.shape[1]
         targets = masked_targets(batch, target, columns=self.draft_ids)
-        b0, t0, _ = chain_rows(batch, 0)
-        accept = torch.zeros(len(b0), S, device=context.device)
-        conf = torch.zeros(len(b0), S, device=context.device)
-        inside = torch.zeros(len(b0), S, dtype=torch.bool, device=context.device)
-        for s in range(S):
-            inside[:, s] = chain_rows(batch, 1 + s)[2]
-        for b in range(batch.loss_mask.shape[0]):
-            starts = (b0 == b).nonzero(as_tuple=True)[0]
-            for chunk in starts.split(EVAL_BLOCKS):
-                anchors = (t0[chunk] + 1).unsqueeze(0)
-                one = TrainBatch(batch.token_ids[b : b + 1], batch.lengths[b : b + 1], batch.loss_mask[b : b + 1], {})
-                h = self.out_norm(self.block_states(one, target, context[b : b + 1], anchors, S)[0])  # [n, S, H]
-                graded = (anchors[0].unsqueeze(-1) + torch.arange(S, device=anchors.device)).clamp(max=batch.loss_mask.shape[1] - 1)
-                code, bias = self.sequential(self.draft_index(batch.token_ids[b][graded]))
-                q = torch.softmax((self.lm_head(h) + bias).float(), dim=-1)
-                ok = inside[chunk]
-                p = torch.zeros_like(q)
-                n_idx, s_idx = ok.nonzero(as_tuple=True)
-                p[n_idx, s_idx] = torch.softmax(targets.rows(torch.full_like(n_idx, b), graded[n_idx, s_idx]), dim=-1)
-                accept[chunk] = torch.where(ok, 1.0 - 0.5 * (q - p).abs().sum(-1), 0.0)
-                conf[chunk] = self.confidence_logit(h, code)
+        rows = chain_rows(batch, 0)[0]
+        n = len(rows)
+        accept = torch.zeros(n, S, device=batch.token_ids.device)
+        conf = torch.zeros(n, S, device=batch.token_ids.device)
+        inside = torch.stack([chain_rows(batch, 1 + s)[2] for s in range(S)], dim=1)
+        for chunk, anchors, h in self._start_blocks(batch, target, S):
+            b = rows[chunk][:, None].expand(-1, S)
+            graded = (anchors[:, None] + torch.arange(S, device=anchors.device)).clamp(max=T - 1)  # output j: x_{a+j+1}
+            code, bias = self.sequential(self.draft_index(batch.token_ids[b, graded]))  # x_{a+j}: teacher forcing
+            q = torch.softmax((self.lm_head(h) + bias).float(), dim=-1)
+            ok = inside[chunk]
+            p = torch.zeros_like(q)
+            p[ok] = torch.softmax(targets.rows(b[ok], graded[ok]), dim=-1)
+            accept[chunk] = torch.where(ok, 1.0 - 0.5 * (q - p).abs().sum(-1), 0.0)
+            conf[chunk] = self.confidence_logit(h, code)
         return accept, conf, inside
 
     @torch.no_grad()
