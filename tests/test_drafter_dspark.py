@@ -16,7 +16,7 @@ from tandem.drafters import DraftInput
 from tandem.drafters.heads.base import TrainBatch
 from tandem.drafters.heads.dspark import (
     expected_calibration_error,
-    fit_survival_temperatures,
+    fit_survival_calibration,
     survival,
 )
 from tandem.drafters.heads.io import build_head, load_head, save_head
@@ -133,18 +133,21 @@ def test_loss_falls_and_reports_its_terms():
         assert head.draft_accuracy(batch, p, 6)[:, 4:].sum() == 0  # past the block of 4: never drafted
 
 
-def test_temperature_fitting_recovers_a_known_temperature():
+def test_calibration_recovers_a_known_temperature_and_offset():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(20000, 3, generator=g) * 3
-    true = torch.tensor([2.0, 0.5, 1.0])
-    passes = torch.bernoulli(torch.sigmoid(logits / true), generator=g)
+    true_t, true_b = torch.tensor([2.0, 0.5, 1.0]), torch.tensor([-1.0, 0.0, 0.5])
+    passes = torch.bernoulli(torch.sigmoid(logits / true_t + true_b), generator=g)
     outcome = torch.cumprod(passes, dim=1)
     valid = torch.ones_like(outcome, dtype=torch.bool)
-    temps = fit_survival_temperatures(logits, outcome, valid)
-    assert temps == pytest.approx(true.tolist(), rel=0.15)
-    before = expected_calibration_error(survival(logits, torch.ones(3)), outcome, valid)
-    after = expected_calibration_error(survival(logits, torch.tensor(temps)), outcome, valid)
-    assert after < 0.02 < before
+    temps, offsets = fit_survival_calibration(logits, outcome, valid)
+    assert temps == pytest.approx(true_t.tolist(), rel=0.15)
+    assert offsets == pytest.approx(true_b.tolist(), abs=0.2)
+    before = expected_calibration_error(survival(logits, torch.ones(3), torch.zeros(3)), outcome, valid)
+    only_t, _ = fit_survival_calibration(logits, outcome, valid, offsets=(0.0,))
+    tempered = expected_calibration_error(survival(logits, torch.tensor(only_t), torch.zeros(3)), outcome, valid)
+    after = expected_calibration_error(survival(logits, torch.tensor(temps), torch.tensor(offsets)), outcome, valid)
+    assert after < 0.02 < min(tempered, before)  # a temperature alone cannot move the level
 
 
 def test_calibration_lowers_the_error_and_is_saved_with_the_head(tmp_path):
@@ -152,7 +155,9 @@ def test_calibration_lowers_the_error_and_is_saved_with_the_head(tmp_path):
     head = trained("dspark")
     report = head.calibrate([batch], p)
     for kind in ("greedy", "sampled"):
-        assert report[kind]["ece_after"] <= report[kind]["ece_before"]
-        assert len(report[kind]["temperatures"]) == head.block_size
+        assert report[kind]["ece_after"] <= min(report[kind]["ece_temperature_only"], report[kind]["ece_before"])
+        assert len(report[kind]["temperatures"]) == len(report[kind]["offsets"]) == head.block_size
     save_head(head, tmp_path, "sharp-qwen2-0", {"steps": 1}, tokenizer=hf_tokenizer())
-    torch.testing.assert_close(load_head(tmp_path, p).confidence_temperature, head.confidence_temperature)
+    loaded = load_head(tmp_path, p)
+    torch.testing.assert_close(loaded.confidence_temperature, head.confidence_temperature)
+    torch.testing.assert_close(loaded.confidence_offset, head.confidence_offset)

@@ -22,7 +22,7 @@ def test_shipped_record_is_complete(head_dir):
     assert record["data"]["train_sequences"] > 0 and record["training"]["steps_done"] > 0
     held = record["held_out"]
     assert held["tau"] == pytest.approx(1 + sum(held["cumulative"]), abs=1e-3)
-    assert sum(f.stat().st_size for f in head_dir.iterdir()) < 30 * 2**20  # kept small in the repo
+    assert sum(f.stat().st_size for f in head_dir.iterdir()) < 40 * 2**20  # kept small in the repo
 
 
 def test_shipped_heads_are_found_by_model_and_method():

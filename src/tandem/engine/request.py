@@ -21,15 +21,17 @@ class HiddenRows:
     the policy gave no draft tokens still reach it."""
 
     def __init__(self) -> None:
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, list[torch.Tensor]] = {}
 
     def add(self, rows: dict[int, torch.Tensor]) -> None:
+        # Kept as pieces and joined once when taken: joining every round would copy everything
+        # held so far each time (a prompt's rows, round after round, while the policy drafts nothing).
         for layer, h in rows.items():
-            self._rows[layer] = torch.cat([self._rows[layer], h]) if layer in self._rows else h
+            self._rows.setdefault(layer, []).append(h)
 
     def take(self) -> dict[int, torch.Tensor]:
         rows, self._rows = self._rows, {}
-        return rows
+        return {layer: parts[0] if len(parts) == 1 else torch.cat(parts) for layer, parts in rows.items()}
 
 
 @dataclass

@@ -317,6 +317,7 @@ class ConfidenceScheduler(SpeculationPolicy):
         self.min_gain = min_gain
         self.first_confidence: dict[str, float] = {}  # each request's recent c_1 (past rounds only)
         self.draft_seconds_per_unit = 0.0
+        self.draft_rounds = 0
 
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
         B = len(batch)
@@ -386,8 +387,14 @@ class ConfidenceScheduler(SpeculationPolicy):
         self.curve.observe(tokens, seconds)
 
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
+        """Seconds per drafting request: the first measurement as it is (an estimate of 0 would
+        make the first rounds' drafting look free), then a moving average."""
         if tokens > 0:
-            self.draft_seconds_per_unit += 0.2 * (seconds / tokens - self.draft_seconds_per_unit)
+            per_request = seconds / tokens
+            if not self.draft_rounds:
+                self.draft_seconds_per_unit = per_request
+            self.draft_seconds_per_unit += 0.2 * (per_request - self.draft_seconds_per_unit)
+            self.draft_rounds += 1
 
     def release(self, request_id: str) -> None:
         self.first_confidence.pop(request_id, None)

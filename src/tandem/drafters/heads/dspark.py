@@ -7,18 +7,20 @@ x_{a+j+1}, so S inputs give S draft logits z_j (over the draft vocabulary).
 
 Sequential head. A rank-r "Markov" bias from the previous draft token, e = M_in[x_{j-1}] (an
 embedding over the draft vocabulary plus one row for any id outside it), bias = M_out e, is added
-to z_j; tokens are drawn left to right, x_{j-1} before x_j (x_{-1}... the anchor for j = 0). Each
+to z_j; tokens are drawn left to right, x_{j-1} before x_j (for j = 0 the previous token is the anchor). Each
 token's q is then exactly the distribution it was drawn from given the tokens before it, and the
 backbone never sees a drawn token: what decides about x_j is fixed before x_j is drawn.
 
-Confidence head. c_j = sigmoid(w . [h_j ; e_j] + b) / T_j in the logit, with h_j the normed
-backbone output at j: an estimate of P(x_j is accepted | x_0..x_{j-1} were). It reads h_j and
-x_{j-1} only. Trained with binary cross-entropy against 1 - TV(q_j, p_j) at that position (the
-probability a sampled token passes the q-ratio test), on detached inputs, so the confidence is a
-probe that costs the drafts nothing. After training, `calibrate` fits one temperature T_j per
-position, separately for greedy and sampled requests, on held-out answers so that the survival
-products a_j = prod_{i<=j} c_i match how often the first j tokens pass (docs/algorithms.md,
-section 6); the expected calibration error before and after goes into the training record.
+Confidence head. l_j = w . [h_j ; e_j] + b, with h_j the normed backbone output at j, and
+c_j = sigmoid(l_j / T_j + b_j): an estimate of P(x_j is accepted | x_0..x_{j-1} were). It reads
+h_j and x_{j-1} only. Trained with binary cross-entropy against 1 - TV(q_j, p_j) at that position
+(the probability a sampled token passes the q-ratio test), on detached inputs, so the confidence
+is a probe that costs the drafts nothing. After training, `calibrate` fits a temperature T_j and
+an offset b_j per position, separately for greedy and sampled requests, on held-out answers so
+that the survival products a_j = prod_{i<=j} c_i match how often the first j tokens pass
+(docs/algorithms.md, section 6). The temperature alone cannot lower a level learnt on training
+answers, which the backbone drafts better than new ones; the offset can. The expected calibration
+error uncalibrated, with the temperatures alone and with both goes into the training record.
 
 Training loss per graded block position j (weights exp(-j/gamma)): soft cross-entropy to the
 target's distribution (restricted to the draft vocabulary), plus tv_loss_weight x TV(q_j, p_j),
@@ -48,9 +50,11 @@ from tandem.drafters.heads.dflash import EVAL_BLOCKS, DFlashHead
 from tandem.drafters.heads.eagle import shift_left
 from tandem.model.arch import ModelConfig
 
-GREEDY, SAMPLED = 0, 1  # rows of confidence_temperature
-# Temperatures a calibration tries per position (log-spaced): sharper and flatter than trained.
-CALIBRATION_GRID = torch.logspace(-1.2, 1.2, 97).tolist()
+GREEDY, SAMPLED = 0, 1  # rows of confidence_temperature and confidence_offset
+# Temperatures a calibration tries per position (log-spaced: sharper and flatter than trained),
+# and offsets added to the tempered logit.
+TEMPERATURE_GRID = torch.logspace(-1.2, 1.2, 97).tolist()
+OFFSET_GRID = torch.linspace(-4.0, 4.0, 81).tolist()
 ECE_BINS = 10
 
 
@@ -80,6 +84,7 @@ class DSparkHead(DFlashHead):
         self.confidence_weight = nn.Parameter(torch.zeros(cfg.hidden_size + rank))
         self.confidence_bias = nn.Parameter(torch.zeros(()))
         self.register_buffer("confidence_temperature", torch.ones(2, block_size))
+        self.register_buffer("confidence_offset", torch.zeros(2, block_size))
 
     def config_dict(self) -> dict:
         return {**super().config_dict(), "block_size": self.block_size, "rank": self.rank,
@@ -104,8 +109,9 @@ class DSparkHead(DFlashHead):
         return torch.cat([h.float(), code.float()], dim=-1) @ self.confidence_weight + self.confidence_bias
 
     def confidence(self, logit: torch.Tensor, position: int, greedy: bool) -> torch.Tensor:
-        """c_j from a confidence logit at block position j (0-based), calibrated for the request kind."""
-        return torch.sigmoid(logit / self.confidence_temperature[GREEDY if greedy else SAMPLED, position])
+        """c_j = sigmoid(logit / T_j + b_j) at block position j (0-based), calibrated for the request kind."""
+        row = GREEDY if greedy else SAMPLED
+        return torch.sigmoid(logit / self.confidence_temperature[row, position] + self.confidence_offset[row, position])
 
     # ---- training --------------------------------------------------------------------------------
 
@@ -223,32 +229,38 @@ class DSparkHead(DFlashHead):
 
     @torch.no_grad()
     def calibrate(self, batches: Iterable[TrainBatch], target: TargetParts) -> dict:
-        """Fit the per-position temperatures on held-out batches (greedy: survival against
+        """Fit the per-position calibration on held-out batches (greedy: the survival against
         whether the first j greedy drafts all equal the target's; sampled: against the product
-        of the positions' 1 - TV) and return, per kind, the temperatures and the expected
-        calibration error of the survival products before and after."""
+        of the positions' 1 - TV). Returns per kind the expected calibration error of the
+        survival products uncalibrated, with a temperature per position alone, and with the
+        temperature and an offset per position (what the head keeps), and those parameters."""
         greedy_parts, sampled_parts = [], []
         for batch in batches:
             greedy_parts.append(self.greedy_chains(batch, target, self.block_size))
             sampled_parts.append(self.sampled_acceptance(batch, target))
         report = {}
         for kind, row, parts in (("greedy", GREEDY, greedy_parts), ("sampled", SAMPLED, sampled_parts)):
-            outcome, logits, inside = (torch.cat([p[i].cpu() for p in parts]) for i in range(3))
+            outcome, logits, inside = (torch.cat([p[i] for p in parts]).cpu() for i in range(3))
             outcome = torch.cumprod(outcome.float(), dim=1)  # all of 1..j pass (greedy), or its chance
-            before = expected_calibration_error(survival(logits, torch.ones(logits.shape[1])), outcome, inside)
-            temps = fit_survival_temperatures(logits, outcome, inside)
+            S = logits.shape[1]
+            before = expected_calibration_error(survival(logits, torch.ones(S), torch.zeros(S)), outcome, inside)
+            temps_only, _ = fit_survival_calibration(logits, outcome, inside, offsets=(0.0,))
+            tempered = expected_calibration_error(survival(logits, torch.tensor(temps_only), torch.zeros(S)), outcome, inside)
+            temps, offsets = fit_survival_calibration(logits, outcome, inside)
+            after = expected_calibration_error(survival(logits, torch.tensor(temps), torch.tensor(offsets)), outcome, inside)
             self.confidence_temperature[row] = torch.tensor(temps, device=self.confidence_temperature.device)
-            after = expected_calibration_error(survival(logits, torch.tensor(temps)), outcome, inside)
+            self.confidence_offset[row] = torch.tensor(offsets, device=self.confidence_offset.device)
             report[kind] = {"positions": int(inside[:, 0].sum()), "ece_before": round(before, 4),
-                            "ece_after": round(after, 4), "temperatures": [round(t, 4) for t in temps],
+                            "ece_temperature_only": round(tempered, 4), "ece_after": round(after, 4),
+                            "temperatures": [round(t, 4) for t in temps], "offsets": [round(b, 4) for b in offsets],
                             "mean_outcome": [round(float(outcome[inside[:, s], s].mean()), 4) if inside[:, s].any() else None
-                                             for s in range(outcome.shape[1])]}
+                                             for s in range(S)]}
         return report
 
 
-def survival(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """Confidence logits [N, S] and per-position temperatures [S] -> survival products [N, S]."""
-    return torch.cumprod(torch.sigmoid(logits.float() / temperatures.float()), dim=1)
+def survival(logits: torch.Tensor, temperatures: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Confidence logits [N, S], per-position temperatures and offsets [S] -> survival products [N, S]."""
+    return torch.cumprod(torch.sigmoid(logits.float() / temperatures.float() + offsets.float()), dim=1)
 
 
 def expected_calibration_error(predicted: torch.Tensor, outcome: torch.Tensor, valid: torch.Tensor,
@@ -267,24 +279,33 @@ def expected_calibration_error(predicted: torch.Tensor, outcome: torch.Tensor, v
     return total
 
 
-def fit_survival_temperatures(logits: torch.Tensor, outcome: torch.Tensor, valid: torch.Tensor) -> list[float]:
-    """Per position j in order, the temperature (from CALIBRATION_GRID) minimising the binary
-    cross-entropy of the survival product a_j = a_{j-1} sigmoid(l_j / T_j) against the outcome
-    of the first j positions, the earlier positions' temperatures fixed."""
+def fit_survival_calibration(logits: torch.Tensor, outcome: torch.Tensor, valid: torch.Tensor,
+                             offsets: Sequence[float] = tuple(OFFSET_GRID)) -> tuple[list[float], list[float]]:
+    """Per position j in order, the temperature T_j (TEMPERATURE_GRID) and offset b_j (`offsets`)
+    minimising the binary cross-entropy of the survival a_j = a_{j-1} sigmoid(l_j / T_j + b_j)
+    against the outcome of the first j positions, the earlier positions' fixed. A temperature
+    alone (offsets=(0,)) can sharpen or flatten the confidences but not move their level: a
+    confidence head fitted on training answers, which the backbone drafts better than held-out
+    ones, needs the offset too."""
     S = logits.shape[1]
     prior = torch.ones(len(logits), dtype=torch.float64)
-    temps = []
+    grid_b = torch.tensor(list(offsets), dtype=torch.float64)
+    temps, shifts = [], []
     for s in range(S):
         sel = valid[:, s]
         if not sel.any():
             temps.append(1.0)
+            shifts.append(0.0)
             continue
-        best, best_t = None, 1.0
-        for t in CALIBRATION_GRID:
-            a = (prior[sel] * torch.sigmoid(logits[sel, s].double() / t)).clamp(1e-6, 1 - 1e-6)
-            loss = float(F.binary_cross_entropy(a, outcome[sel, s].double().clamp(0.0, 1.0)))
-            if best is None or loss < best:
-                best, best_t = loss, t
+        l, y, a0 = logits[sel, s].double(), outcome[sel, s].double().clamp(0.0, 1.0), prior[sel]
+        best, best_t, best_b = None, 1.0, 0.0
+        for t in TEMPERATURE_GRID:
+            a = (a0[:, None] * torch.sigmoid(l[:, None] / t + grid_b)).clamp(1e-6, 1 - 1e-6)  # [n, offsets]
+            loss = -(y[:, None] * a.log() + (1 - y[:, None]) * (1 - a).log()).mean(0)
+            i = int(loss.argmin())
+            if best is None or float(loss[i]) < best:
+                best, best_t, best_b = float(loss[i]), t, float(grid_b[i])
         temps.append(best_t)
-        prior = prior * torch.sigmoid(logits[:, s].double() / best_t)
-    return temps
+        shifts.append(best_b)
+        prior = prior * torch.sigmoid(logits[:, s].double() / best_t + best_b)
+    return temps, shifts
