@@ -296,9 +296,10 @@ class ConfidenceScheduler(SpeculationPolicy):
     x_{r,j} from a value that depends on it.
 
     Before drafting, `draft_lengths` runs the same admission on optimistic survivals (each
-    request's recent first-token confidence, raised to the power j), with the drafter's measured
-    seconds per drafting request added to the cost: when it admits nothing for a request, that
-    request does not draft this round, and when it admits nothing at all, nothing is drafted.
+    request's recent first-token confidence, raised to the power j; a new request's is the
+    server-wide recent one), with the drafter's measured seconds per drafting request added to
+    the cost: when it admits nothing for a request, that request does not draft this round, and
+    when it admits nothing at all, nothing is drafted.
     """
 
     def __init__(self, spec: SpecConfig, curve: CostCurve | None,
@@ -316,6 +317,9 @@ class ConfidenceScheduler(SpeculationPolicy):
         self.verify_rows = verify_rows
         self.min_gain = min_gain
         self.first_confidence: dict[str, float] = {}  # each request's recent c_1 (past rounds only)
+        # What a new request is assumed to start with: the server-wide recent c_1, from 1 (so the
+        # first requests draft and measure it).
+        self.global_first = 1.0
         self.draft_seconds_per_unit = 0.0
         self.draft_rounds = 0
 
@@ -325,7 +329,7 @@ class ConfidenceScheduler(SpeculationPolicy):
             return []
         survivals = []
         for slot in batch:
-            c = self.first_confidence.get(slot.request_id, 1.0)
+            c = self.first_confidence.get(slot.request_id, self.global_first)
             survivals.append([c ** (j + 1) for j in range(max(0, min(slot.limit, self.k_max)))])
         lengths = self._admission(B, survivals, self.draft_seconds_per_unit)
         plain = B / self.curve(B)
@@ -348,6 +352,7 @@ class ConfidenceScheduler(SpeculationPolicy):
             if len(d):
                 c = self.first_confidence.get(rid, d.confidence[0])
                 self.first_confidence[rid] = c + REQUEST_EMA * (d.confidence[0] - c)
+                self.global_first += GLOBAL_EMA * (d.confidence[0] - self.global_first)
             s, reach = [], 1.0
             for c in d.confidence:
                 reach *= c
