@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tandem.bench.prompts import load_prompt_file, spread_prompts
+from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
 MODES = ("adaptive", "fixed", "off")
@@ -348,9 +349,10 @@ def bench_serve(args) -> dict:
         model = args.served_model or args.model
         for url in urls.values():  # warm-up: first-request costs off the clock (not a sweep prompt)
             asyncio.run(run_level(url, model, [WARMUP_PROMPT], 1, 1, 8))
+        machine = {**machine_info(), "torch_threads": args.threads or os.cpu_count()}  # the servers' threads
         settings = {"algorithm": args.algorithm, "num_draft_tokens": args.num_draft_tokens,
                     "max_running_requests": args.max_running_requests, "categories": args.categories,
-                    "launched": [m for m in urls if m not in given], "threads": args.threads}
+                    "launched": [m for m in urls if m not in given], "threads": args.threads, "machine": machine}
 
         def save(report):
             if args.out:
