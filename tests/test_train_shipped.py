@@ -34,21 +34,28 @@ def test_shipped_heads_are_found_by_model_and_method():
     assert shipped_head_dir("gemma3-270m", "eagle3") is None
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("head_dir", HEADS, ids=lambda p: p.name)
-def test_shipped_drafter_is_lossless_on_the_real_model(head_dir):
-    from tandem.config import EngineConfig, SamplingParams, SpecConfig
+def assert_greedy_lossless(spec, cost_curve=None):
+    """Speculation with SpecConfig `spec` on the real model commits plain decoding's tokens for
+    two chat prompts at once, and accepts some drafts."""
+    from tandem.config import EngineConfig, SamplingParams
     from tandem.llm import LLM
 
     plain = LLM(max_model_len=512)
-    spec = LLM.from_loaded(plain.loaded, EngineConfig(max_model_len=512, spec=SpecConfig(
-        algorithm=head_dir.name, num_draft_tokens=4, draft_model_path=str(head_dir))))
+    llm = LLM.from_loaded(plain.loaded, EngineConfig(max_model_len=512, spec=spec), cost_curve=cost_curve)
     prompts = ["Explain in three sentences why the sky is blue.", "Natalia sold 48 clips in April and half as many in May. How many in total?"]
     params = SamplingParams(temperature=0.0, max_tokens=48)
     want = [o.token_ids for o in plain.generate(prompts, params, chat=True)]
-    got = spec.generate(prompts, params, chat=True)
+    got = llm.generate(prompts, params, chat=True)
     assert [o.token_ids for o in got] == want
     assert sum(o.spec.num_accepted_tokens for o in got) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dir", HEADS, ids=lambda p: p.name)
+def test_shipped_drafter_is_lossless_on_the_real_model(head_dir):
+    from tandem.config import SpecConfig
+
+    assert_greedy_lossless(SpecConfig(algorithm=head_dir.name, num_draft_tokens=4, draft_model_path=str(head_dir)))
 
 
 @pytest.mark.slow
@@ -76,22 +83,12 @@ def test_shipped_eagle3_trees_are_lossless_on_the_real_model():
 
 @pytest.mark.slow
 def test_shipped_dspark_under_the_confidence_scheduler_is_lossless_on_the_real_model():
-    """DSpark as tandem serve runs it: two requests at once, each round's verified prefixes
-    admitted across the batch from the shipped head's calibrated confidences."""
-    from tandem.config import EngineConfig, SamplingParams, SpecConfig
-    from tandem.llm import LLM
+    """DSpark as tandem serve runs it: each round's verified prefixes admitted across the batch
+    from the shipped head's calibrated confidences, on a curve where verification is cheap."""
+    from tandem.config import SpecConfig
     from tandem.scheduler.cost_model import CostCurve
 
-    head_dir = SHIPPED / "dspark"
-    if not (head_dir / "head.json").exists():
+    if not (SHIPPED / "dspark" / "head.json").exists():
         pytest.skip("no shipped dspark head")
-    plain = LLM(max_model_len=512)
-    curve = CostCurve((1, 4, 8, 16, 64), (1.0, 1.1, 1.35, 2.0, 7.0))  # verification cheap at first, then dear
-    spec = LLM.from_loaded(plain.loaded, EngineConfig(max_model_len=512, spec=SpecConfig(
-        algorithm="dspark", num_draft_tokens=4, policy="confidence")), cost_curve=curve)
-    prompts = ["Explain in three sentences why the sky is blue.", "Natalia sold 48 clips in April and half as many in May. How many in total?"]
-    params = SamplingParams(temperature=0.0, max_tokens=48)
-    want = [o.token_ids for o in plain.generate(prompts, params, chat=True)]
-    got = spec.generate(prompts, params, chat=True)
-    assert [o.token_ids for o in got] == want
-    assert sum(o.spec.num_accepted_tokens for o in got) > 0
+    curve = CostCurve((1, 4, 8, 16, 64), (1.0, 1.02, 1.1, 1.4, 5.0))
+    assert_greedy_lossless(SpecConfig(algorithm="dspark", num_draft_tokens=4, policy="confidence"), curve)
