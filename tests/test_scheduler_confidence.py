@@ -215,13 +215,16 @@ class LooksPastTheDip(ConfidenceScheduler):
     def _admission(self, batch, survivals, draft_seconds):
         order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
                        key=lambda t: (-t[0], t[1], t[2]))
-        lengths, best, best_lengths = [0] * len(survivals), self._rate(batch, survivals, [0] * len(survivals), 0.0), None
-        for _, j, r in order:
+        lengths, rows, committed = [0] * len(survivals), [1] * batch, float(batch)
+        best, best_lengths = committed / self.curve(self.verify_rows(rows)), [0] * len(survivals)
+        for a, j, r in order:
             lengths[r] += 1
-            rate = self._rate(batch, survivals, lengths, draft_seconds)
-            if rate > best:
-                best, best_lengths = rate, list(lengths)
-        return best_lengths or [0] * len(survivals)
+            rows[r] += 1
+            committed += a
+            seconds = self.curve(self.verify_rows(rows)) + draft_seconds * sum(n > 0 for n in lengths)
+            if committed / seconds > best:
+                best, best_lengths = committed / seconds, list(lengths)
+        return best_lengths, best
 
 
 DIP_CURVE = CostCurve((1, 2, 3), (1.0, 1.6, 1.6))

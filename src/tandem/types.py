@@ -53,6 +53,15 @@ class Draft:
             depths.append(1 if p < 0 else depths[p] + 1)
         return depths
 
+    def survival(self) -> list[float]:
+        """A chain's survivals a_j = prod_{i<=j} confidence_i: the drafter's estimate that its
+        first j tokens all pass (needs confidences)."""
+        out, reach = [], 1.0
+        for c in self.confidence:
+            reach *= c
+            out.append(reach)
+        return out
+
     @classmethod
     def empty(cls) -> "Draft":
         return cls(token_ids=[])

@@ -129,13 +129,7 @@ class SpeculationPolicy(ABC):
         to it, stays at or above `min_survival` (SpecConfig; 0 keeps everything)."""
         if self.min_survival <= 0 or draft.confidence is None or draft.is_tree:
             return draft
-        survival, keep = 1.0, 0
-        for c in draft.confidence:
-            survival *= c
-            if survival < self.min_survival:
-                break
-            keep += 1
-        return draft.truncated(keep)
+        return draft.truncated(sum(1 for a in draft.survival() if a >= self.min_survival))
 
     def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int) -> list[Draft]:
         """The part of this round's drafts to verify, for all drafting requests together (`batch`:
@@ -331,10 +325,8 @@ class ConfidenceScheduler(SpeculationPolicy):
         for slot in batch:
             c = self.first_confidence.get(slot.request_id, self.global_first)
             survivals.append([c ** (j + 1) for j in range(max(0, min(slot.limit, self.k_max)))])
-        lengths = self._admission(B, survivals, self.draft_seconds_per_unit)
-        plain = B / self.curve(B)
-        rate = self._rate(B, survivals, lengths, self.draft_seconds_per_unit)
-        if rate <= plain * (1.0 + self.min_gain):
+        lengths, rate = self._admission(B, survivals, self.draft_seconds_per_unit)
+        if rate <= B / self.curve(B) * (1.0 + self.min_gain):
             lengths = [0] * B
         # A request that may draft drafts its whole block: the drafter's cost is per round.
         ks = [min(slot.limit, self.k_max) if n else 0 for slot, n in zip(batch, lengths)]
@@ -345,7 +337,6 @@ class ConfidenceScheduler(SpeculationPolicy):
         return ks
 
     def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int) -> list[Draft]:
-        survivals = []
         for rid, d in zip(request_ids, drafts):
             if d.is_tree or d.confidence is None:
                 raise ValueError("the confidence scheduler needs chain drafts with confidences (dspark, dflash)")
@@ -353,40 +344,35 @@ class ConfidenceScheduler(SpeculationPolicy):
                 c = self.first_confidence.get(rid, d.confidence[0])
                 self.first_confidence[rid] = c + REQUEST_EMA * (d.confidence[0] - c)
                 self.global_first += GLOBAL_EMA * (d.confidence[0] - self.global_first)
-            s, reach = [], 1.0
-            for c in d.confidence:
-                reach *= c
-                s.append(reach)
-            survivals.append(s)
-        others = batch - len(drafts)  # running requests without a draft: one row, one token each
-        lengths = self._admission(batch, [[] for _ in range(others)] + survivals, 0.0)[others:]
-        predicted = self._rate(batch, [[]] * others + survivals, [0] * others + lengths, 0.0)
+        survivals = [d.survival() for d in drafts]
+        # Running requests without a draft are the rest of the batch: one row, one token each.
+        lengths, predicted = self._admission(batch, survivals, 0.0)
         self.last = Decision(batch, tuple(lengths), predicted * self.curve(batch) / batch)
         return [d.truncated(n) for d, n in zip(drafts, lengths)]
 
-    def _admission(self, batch: int, survivals: Sequence[Sequence[float]], draft_seconds: float) -> list[int]:
-        """Admitted prefix lengths: pairs in descending survival, stopping at the first drop.
-        draft_seconds: the cost of each request that gets at least one pair (0 once drafted)."""
+    def _admission(self, batch: int, survivals: Sequence[Sequence[float]],
+                   draft_seconds: float) -> tuple[list[int], float]:
+        """Admitted prefix lengths of the first len(survivals) requests of a batch of `batch`
+        (the others verify one row and commit one token), and their predicted committed tokens
+        per second: pairs in descending survival, stopping at the first drop. draft_seconds: the
+        cost of each request that gets at least one pair (0 once drafted)."""
         order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
                        key=lambda t: (-t[0], t[1], t[2]))
         lengths = [0] * len(survivals)
-        best = self._rate(batch, survivals, lengths, draft_seconds)
-        for _, j, r in order:
-            lengths[r] += 1
-            rate = self._rate(batch, survivals, lengths, draft_seconds)
+        rows = [1] * batch  # each request's verified rows: 1 + its admitted length
+        committed, drafting = float(batch), 0
+        best = committed / self.curve(self.verify_rows(rows))
+        for a, j, r in order:
+            first = lengths[r] == 0  # this request's first pair also pays its drafting
+            rows[r] += 1
+            rate = (committed + a) / (self.curve(self.verify_rows(rows)) + draft_seconds * (drafting + first))
             if rate <= best:
-                lengths[r] -= 1
                 break
+            lengths[r] += 1
+            committed += a
+            drafting += first
             best = rate
-        return lengths
-
-    def _rate(self, batch: int, survivals: Sequence[Sequence[float]], lengths: Sequence[int], draft_seconds: float) -> float:
-        """Predicted committed tokens per second: every running request commits one token plus
-        the survivals of its admitted prefix; the rows are each request's 1 + admitted length."""
-        committed = batch + sum(sum(s[:n]) for s, n in zip(survivals, lengths))
-        rows = [1 + n for n in lengths] + [1] * (batch - len(lengths))
-        seconds = self.curve(self.verify_rows(rows)) + draft_seconds * sum(n > 0 for n in lengths)
-        return committed / seconds
+        return lengths, best
 
     def observe_round(self, tokens: int, seconds: float) -> None:
         self.curve.observe(tokens, seconds)
