@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import build_tiny, tiny_hf_config, tiny_loaded
-from tandem.bench.spec import OVERALL, DraftProfile, Method, SpecCase, parse_methods, run_spec_bench
+from tandem.bench.draft_profile import DraftProfile
+from tandem.bench.spec import OVERALL, Method, SpecCase, parse_methods, run_spec_bench
 from tandem.bench.spec_hf import Baselines
 from tandem.bench.spec_report import print_identity, print_table
 

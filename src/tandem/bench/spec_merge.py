@@ -14,8 +14,9 @@ import json
 import statistics
 from pathlib import Path
 
+from tandem.bench.draft_profile import DraftProfile
 from tandem.bench.prompts import spec_bench_prompts
-from tandem.bench.spec import OVERALL, PLAIN, DraftProfile, summary_row
+from tandem.bench.spec import OVERALL, PLAIN, summary_row
 from tandem.bench.spec_report import print_identity, print_table, write_outputs
 from tandem.types import SpecStats
 
