@@ -11,8 +11,7 @@ import time
 from tandem.advise import add_advise_parser
 from tandem.audit import run_audit
 from tandem.bench.cli import add_bench_parser
-from tandem.config import SpecConfig
-from tandem.flags import add_model_args, add_sampling_args, add_spec_args, drafter_policy, sampling_from_args
+from tandem.flags import add_model_args, add_sampling_args, add_spec_args, sampling_from_args, spec_from_args
 from tandem.launch_server import add_serve_args, run_serve
 from tandem.llm import LLM
 from tandem.train.cli import add_train_parser
@@ -24,8 +23,7 @@ def llm_from_args(args):
     return LLM(
         args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
         max_model_len=args.max_model_len, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-        spec=SpecConfig.from_prefixed({**vars(args), "speculative_policy": args.speculative_policy
-                                       or drafter_policy(args.speculative_algorithm)}),
+        spec=spec_from_args(args, args.speculative_algorithm),
     )
 
 

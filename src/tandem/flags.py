@@ -11,6 +11,7 @@ from tandem.config import (
     QUANTIZATIONS,
     SPEC_POLICIES,
     SamplingParams,
+    SpecConfig,
 )
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -83,3 +84,11 @@ def drafter_policy(algorithm: str | None) -> str | None:
     )
 
     return getattr(registry.lookup(algorithm, "drafter"), "serving_policy", None)
+
+
+def spec_from_args(args: argparse.Namespace, algorithm: str | None, default_policy: str | None = None) -> SpecConfig:
+    """The --speculative-* flags as the SpecConfig of `algorithm` (None: no speculation). An unset
+    --speculative-policy becomes the drafter's own (drafter_policy), else `default_policy` (None:
+    SpecConfig's)."""
+    policy = args.speculative_policy or drafter_policy(algorithm) or default_policy
+    return SpecConfig.from_prefixed({**vars(args), "speculative_algorithm": algorithm, "speculative_policy": policy})

@@ -13,14 +13,13 @@ import logging
 import sys
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 
 import uvicorn
 
-from tandem.config import EngineConfig, ServerConfig, SpecConfig
+from tandem.config import EngineConfig, ServerConfig
 from tandem.engine.engine import Engine
-from tandem.flags import add_model_args, add_spec_args, drafter_policy
+from tandem.flags import add_model_args, add_spec_args, spec_from_args
 from tandem.llm import configure_threads
 from tandem.model.catalogue import DEFAULT_DRAFTERS
 from tandem.model.loader import load_model
@@ -61,8 +60,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         algorithm = DEFAULT_DRAFTERS.get(args.model)
     elif algorithm.lower() in NO_SPECULATION:
         algorithm = None
-    policy = args.speculative_policy or drafter_policy(algorithm) or SERVE_POLICY
-    spec = dataclasses.replace(SpecConfig.from_prefixed({**vars(args), "speculative_policy": policy}), algorithm=algorithm)
+    spec = spec_from_args(args, algorithm, SERVE_POLICY)
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_running_requests, threads=args.threads, spec=spec,
