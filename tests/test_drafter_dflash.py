@@ -12,7 +12,6 @@ import pytest
 import torch
 from heads_fixtures import (
     expected_tau,
-    hf_tokenizer,
     make_batch,
     parts,
     sharp_target,
@@ -22,17 +21,18 @@ from test_drafter_heads import (
     GREEDY,
     PROMPTS,
     audit,
+    committed_batch,
     make_llm,
     plain,
     prefill_hidden,
-    trained,
+    saved_fixture,  # noqa: F401 (the fixture `saved`)
 )
 
 from tandem.config import EngineConfig, SamplingParams
 from tandem.drafters import DraftInput
 from tandem.drafters.dflash import DFlashDrafter
 from tandem.drafters.heads.base import TrainBatch
-from tandem.drafters.heads.io import build_head, save_head
+from tandem.drafters.heads.io import build_head
 from tandem.llm import LLM
 from tandem.train.capture import CapturedData, capture, sequences
 from tandem.train.data import DistillConfig, distill
@@ -43,9 +43,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def saved_dflash(tmp_path_factory):
-    return save_head(trained("dflash"), tmp_path_factory.mktemp("dflash"), "sharp-qwen2-0", {"steps": 1},
-                     tokenizer=hf_tokenizer())
+def saved_dflash(saved):
+    return saved("dflash")
 
 
 def reference_block_logits(head, batch, target, anchor: int, size: int) -> torch.Tensor:
@@ -164,14 +163,9 @@ def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved
     assert 0 < llm.engine.stats.acceptance_rate < 1
     head, p = drafter.head, parts()
     for ids, draft in seen:
-        hidden = prefill_hidden(llm, ids)
-        T = len(ids)
-        h = {layer: torch.zeros(1, T, hidden[layer].shape[-1]) for layer in head.serving_layers}
-        for layer in h:
-            h[layer][0, : T - 1] = hidden[layer].float()
-        batch = TrainBatch(torch.tensor([ids]), torch.tensor([T]), torch.zeros(1, T, dtype=torch.bool), h)
+        batch = committed_batch(llm, head, ids)
         with torch.no_grad():
-            logits = head.block_logits(batch, p, head.context(h), torch.tensor([[T - 1]]), 4)[0, 0, 1:]
+            logits = head.block_logits(batch, p, head.context(batch.hidden), torch.tensor([[len(ids) - 1]]), 4)[0, 0, 1:]
         assert draft == head.to_target_ids(logits.argmax(-1)).tolist()[: len(draft)]
 
 

@@ -11,11 +11,19 @@ import copy
 import pytest
 import torch
 from heads_fixtures import hf_tokenizer, make_batch, parts
-from test_drafter_heads import GREEDY, PROMPTS, make_llm, plain, prefill_hidden, trained
+from test_drafter_heads import (
+    GREEDY,
+    PROMPTS,
+    committed_batch,
+    make_llm,
+    plain,
+    prefill_hidden,
+    saved_fixture,  # noqa: F401 (the fixture `saved`)
+    trained,
+)
 
 from tandem.config import SamplingParams
 from tandem.drafters import DraftInput
-from tandem.drafters.heads.base import TrainBatch
 from tandem.drafters.heads.dspark import (
     expected_calibration_error,
     fit_survival_calibration,
@@ -27,23 +35,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def saved_dspark(tmp_path_factory):
-    return save_head(trained("dspark"), tmp_path_factory.mktemp("dspark"), "sharp-qwen2-0", {"steps": 1},
-                     tokenizer=hf_tokenizer())
+def saved_dspark(saved):
+    return saved("dspark")
 
 
 def reference_chain(head, llm, ids: list[int], k: int) -> tuple[list[int], list[float]]:
     """The greedy chain and its uncalibrated confidence logits recomputed from the training
     forward on the committed context: block at the last token, then the sequential head."""
     p = parts()
-    hidden = prefill_hidden(llm, ids)
-    T = len(ids)
-    h = {layer: torch.zeros(1, T, hidden[layer].shape[-1]) for layer in head.serving_layers}
-    for layer in h:
-        h[layer][0, : T - 1] = hidden[layer].float()
-    batch = TrainBatch(torch.tensor([ids]), torch.tensor([T]), torch.zeros(1, T, dtype=torch.bool), h)
+    batch = committed_batch(llm, head, ids)
     with torch.no_grad():
-        out = head.out_norm(head.block_states(batch, p, head.context(h), torch.tensor([[T - 1]]), k)[0, 0])
+        out = head.out_norm(head.block_states(batch, p, head.context(batch.hidden), torch.tensor([[len(ids) - 1]]), k)[0, 0])
         logits = head.lm_head(out)
         previous = head.draft_index(torch.tensor([ids[-1]]))[0]
         tokens, conf = [], []

@@ -49,8 +49,8 @@ def trained(variant: str):
     return head
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+@pytest.fixture(scope="module", name="saved")
+def saved_fixture(tmp_path_factory):
     """variant -> directory of the trained, saved head."""
     out = {}
 
@@ -200,6 +200,19 @@ def prefill_hidden(llm: LLM, ctx: list[int]) -> dict[int, torch.Tensor]:
     runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, len(ctx) + 1, loaded.dtype))
     out = runner.forward([SeqInput(runner.cache.allocate(), ctx[:-1])], llm.engine.drafter.needs.hidden_layers)
     return {layer: h[0] for layer, h in out.hidden.items()}
+
+
+def committed_batch(llm: LLM, head, ids: list[int]):
+    """One TrainBatch row holding ids, with the hidden rows of head.serving_layers the engine
+    hands a drafter after prefilling ids[:-1] (the last row zeros: no drafter may read it)."""
+    from tandem.drafters.heads.base import TrainBatch
+
+    hidden = prefill_hidden(llm, ids)
+    T = len(ids)
+    h = {layer: torch.zeros(1, T, hidden[layer].shape[-1]) for layer in head.serving_layers}
+    for layer in h:
+        h[layer][0, : T - 1] = hidden[layer].float()
+    return TrainBatch(torch.tensor([ids]), torch.tensor([T]), torch.zeros(1, T, dtype=torch.bool), h)
 
 
 def audit(llm: LLM, params: SamplingParams, seed: int):

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from heads_fixtures import sharp_target
-from test_drafter_heads import GREEDY, PROMPTS, make_llm, plain
+from test_drafter_heads import GREEDY, PROMPTS, make_llm, plain, saved_fixture  # noqa: F401 (the fixture `saved`)
 
 from tandem.audit import Auditor, audit_rounds
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
@@ -128,24 +128,6 @@ def test_a_request_switched_off_is_retried_later():
 
 
 # ---- the sampled audit of the scheduled engine ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    from heads_fixtures import hf_tokenizer
-    from test_drafter_heads import trained
-
-    from tandem.drafters.heads.io import save_head
-
-    out = {}
-
-    def get(variant):
-        if variant not in out:
-            out[variant] = save_head(trained(variant), tmp_path_factory.mktemp(variant), "sharp-qwen2-0",
-                                     {"steps": 1}, tokenizer=hf_tokenizer())
-        return out[variant]
-
-    return get
 
 
 def scheduled_audit(engine: Engine, params: SamplingParams, rounds: int, batch: int = 64, seed: int = 0):
