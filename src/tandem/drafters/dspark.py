@@ -34,6 +34,7 @@ class DSparkDrafter(DFlashDrafter):
         budgets = [min(self.block_size, inp.max_draft_tokens) for inp in inputs]
         seen = [self.seen_ids(inp) for inp in inputs]
         anchors = torch.tensor([inp.token_ids[-1] for inp in inputs], device=self.device)
+        greedy = torch.tensor([inp.params.greedy for inp in inputs], device=self.device)
         previous = head.draft_index(anchors)  # [R] draft-vocabulary index of each row's last token
         tokens: list[list[int]] = [[] for _ in inputs]
         qs: list[list[torch.Tensor | None]] = [[] for _ in inputs]
@@ -44,7 +45,7 @@ class DSparkDrafter(DFlashDrafter):
                 break
             rows = torch.tensor(live, device=self.device)
             code, bias = head.sequential(previous[rows])
-            c = head.confidence_logit(h[rows, j], code)  # read before x_j is drawn
+            c = head.confidence(head.confidence_logit(h[rows, j], code), j, greedy[rows]).tolist()  # before x_j is drawn
             chosen, q = self.choose([inputs[r] for r in live], [seen[r] for r in live], base[rows, j] + bias.float())
             for n, r in enumerate(live):
                 if chosen[n] < 0:  # a broken row ends this draft; the target decides alone
@@ -52,7 +53,7 @@ class DSparkDrafter(DFlashDrafter):
                     continue
                 tokens[r].append(chosen[n])
                 qs[r].append(q[n])
-                confidence[r].append(float(head.confidence(c[n], j, inputs[r].params.greedy)))
+                confidence[r].append(c[n])
             picked = torch.tensor([max(t, 0) for t in chosen], device=self.device)
             previous[rows] = head.draft_index(picked)
         drafts = []

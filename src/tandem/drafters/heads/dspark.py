@@ -108,9 +108,10 @@ class DSparkHead(DFlashHead):
         """Uncalibrated confidence logits [...] from normed backbone outputs [..., H] and codes [..., r]."""
         return torch.cat([h.float(), code.float()], dim=-1) @ self.confidence_weight + self.confidence_bias
 
-    def confidence(self, logit: torch.Tensor, position: int, greedy: bool) -> torch.Tensor:
-        """c_j = sigmoid(logit / T_j + b_j) at block position j (0-based), calibrated for the request kind."""
-        row = GREEDY if greedy else SAMPLED
+    def confidence(self, logit: torch.Tensor, position: int, greedy) -> torch.Tensor:
+        """c_j = sigmoid(logit / T_j + b_j) at block position j (0-based), calibrated for the
+        request kind: greedy is a bool, or a bool tensor shaped like logit (one per request)."""
+        row = torch.where(torch.as_tensor(greedy, device=self.confidence_temperature.device), GREEDY, SAMPLED)
         return torch.sigmoid(logit / self.confidence_temperature[row, position] + self.confidence_offset[row, position])
 
     # ---- training --------------------------------------------------------------------------------
