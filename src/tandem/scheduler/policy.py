@@ -165,7 +165,30 @@ class FixedPolicy(SpeculationPolicy):
         return ks
 
 
-class AdaptivePolicy(SpeculationPolicy):
+class PricedPolicy(SpeculationPolicy):
+    """A policy that prices rounds: committed tokens per second from the target's profiled cost
+    curve, corrected by the rounds it sees (LiveCurve), over the rows the runner computes
+    (verify_rows), at most k_max draft tokens per request, speculating only past min_gain."""
+
+    def __init__(self, spec: SpecConfig, curve: CostCurve | None, verify_rows: Callable[[Sequence[int]], int],
+                 min_gain: float, name: str) -> None:
+        super().__init__(spec.min_survival)
+        if curve is None:
+            raise ValueError(
+                f"the {name} needs the target's forward cost curve: pass cost_curve= "
+                "(tandem serve measures it at startup), or use policy='fixed'"
+            )
+        self.curve = LiveCurve(curve)
+        self.k_max = spec.max_draft_len
+        self.verify_rows = verify_rows
+        self.min_gain = min_gain
+        self.draft_seconds_per_unit = 0.0
+
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        self.curve.observe(tokens, seconds)
+
+
+class AdaptivePolicy(PricedPolicy):
     """Maximise predicted committed tokens per second of the whole batch.
 
     Request r with conditional acceptance a_r[i] (moving average of its own past rounds) commits
@@ -193,24 +216,14 @@ class AdaptivePolicy(SpeculationPolicy):
         per_round_drafts: bool = False,
         verify_rows: Callable[[Sequence[int]], int] = padded_rows,
     ) -> None:
-        super().__init__(spec.min_survival)
+        super().__init__(spec, curve, verify_rows, min_gain, "adaptive speculation policy")
         self.per_round_drafts = per_round_drafts
-        self.verify_rows = verify_rows
-        if curve is None:
-            raise ValueError(
-                "the adaptive speculation policy needs the target's forward cost curve: pass cost_curve= "
-                "(tandem serve measures it at startup), or use policy='fixed'"
-            )
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior acceptance must be in [0, 1], got {prior}")
-        self.curve = LiveCurve(curve)
-        self.k_max = spec.max_draft_len
         self.tree_tokens = spec.num_draft_tokens + 1 if spec.tree else None
         self.prior = prior
-        self.min_gain = min_gain
         self.global_acceptance = [prior] * self.k_max
         self.acceptance: dict[str, list[float]] = {}
-        self.draft_seconds_per_unit = 0.0
 
     def _estimate(self, request_id: str) -> list[float]:
         if request_id not in self.acceptance:
@@ -261,9 +274,6 @@ class AdaptivePolicy(SpeculationPolicy):
             est[i] += REQUEST_EMA * (outcome - est[i])
             self.global_acceptance[i] += GLOBAL_EMA * (outcome - self.global_acceptance[i])
 
-    def observe_round(self, tokens: int, seconds: float) -> None:
-        self.curve.observe(tokens, seconds)
-
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
             per_token = seconds / tokens
@@ -273,7 +283,7 @@ class AdaptivePolicy(SpeculationPolicy):
         self.acceptance.pop(request_id, None)
 
 
-class ConfidenceScheduler(SpeculationPolicy):
+class ConfidenceScheduler(PricedPolicy):
     """DSpark's confidence-scheduled verification (docs/algorithms.md section 6).
 
     After drafting, each drafting request r reports survivals a_{r,j} = prod_{i<=j} c_{r,i} from
@@ -298,23 +308,13 @@ class ConfidenceScheduler(SpeculationPolicy):
 
     def __init__(self, spec: SpecConfig, curve: CostCurve | None,
                  verify_rows: Callable[[Sequence[int]], int] = padded_rows, min_gain: float = MIN_GAIN) -> None:
-        super().__init__(0.0)
-        if curve is None:
-            raise ValueError(
-                "the confidence scheduler needs the target's forward cost curve: pass cost_curve= "
-                "(tandem serve measures it at startup), or use policy='fixed'"
-            )
+        super().__init__(spec, curve, verify_rows, min_gain, "confidence scheduler")
         if spec.tree:
             raise ValueError("the confidence scheduler verifies chains: use --speculative-eagle-topk 1")
-        self.curve = LiveCurve(curve)
-        self.k_max = spec.max_draft_len
-        self.verify_rows = verify_rows
-        self.min_gain = min_gain
         self.first_confidence: dict[str, float] = {}  # each request's recent c_1 (past rounds only)
         # What a new request is assumed to start with: the server-wide recent c_1, from 1 (so the
         # first requests draft and measure it).
         self.global_first = 1.0
-        self.draft_seconds_per_unit = 0.0
         self.draft_rounds = 0
 
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
@@ -373,9 +373,6 @@ class ConfidenceScheduler(SpeculationPolicy):
             drafting += first
             best = rate
         return lengths, best
-
-    def observe_round(self, tokens: int, seconds: float) -> None:
-        self.curve.observe(tokens, seconds)
 
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
         """Seconds per drafting request: the first measurement as it is (an estimate of 0 would
