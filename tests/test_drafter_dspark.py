@@ -12,12 +12,11 @@ import pytest
 import torch
 from heads_fixtures import hf_tokenizer, make_batch, parts
 from test_drafter_heads import (
-    GREEDY,
     PROMPTS,
     committed_batch,
     make_llm,
-    plain,
     prefill_hidden,
+    recorded_drafts,
     saved_fixture,  # noqa: F401 (the fixture `saved`)
     trained,
 )
@@ -63,20 +62,8 @@ def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved
     llm = make_llm("dspark", saved_dspark, k=3)
     drafter = llm.engine.drafter
     assert drafter.block_size == 3  # the anchor drafts too
-    seen = []
-    propose = drafter.propose
-
-    def recording(batch):
-        drafts = propose(batch)
-        seen.extend((list(inp.token_ids), d) for inp, d in zip(batch, drafts))
-        return drafts
-
-    drafter.propose = recording
-    out = llm.generate(PROMPTS, GREEDY)
-    assert tuple(tuple(o.token_ids) for o in out) == plain()
-    assert 0 < llm.engine.stats.acceptance_rate < 1
     head = drafter.head
-    for ids, draft in seen:
+    for ids, draft in recorded_drafts(llm):
         tokens, logits = reference_chain(load_head(saved_dspark, parts()), llm, ids, 3)
         assert draft.token_ids == tokens[: len(draft)]
         expected = [float(head.confidence(torch.tensor(x), j, True)) for j, x in enumerate(logits)]
