@@ -190,6 +190,9 @@ class ServerConfig:
     before new ones get 503. drain_timeout_s: after SIGTERM, how long in-flight requests may
     finish before they are aborted. cost_profile: JSON file with the target's forward cost
     curve for the adaptive policy (None: the tandem cache, measured once per model/threads).
+    api_key: every route but /health then needs `Authorization: Bearer <api_key>` (None: open).
+    max_request_bytes: larger request bodies get 413 unread; 8 MiB is 64x the text of a
+    32k-token prompt and still far from what could stall the server.
     """
 
     host: str = "127.0.0.1"
@@ -199,6 +202,8 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     cost_profile: str | None = None
     reprofile: bool = False
+    api_key: str | None = field(default=None, repr=False)
+    max_request_bytes: int = 8 * 2**20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -207,3 +212,7 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
             raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")

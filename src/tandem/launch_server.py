@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from tandem.server.metrics import ServerMetrics
 # runs) because a policy without a measured cost curve cannot adapt.
 SERVE_POLICY = "adaptive"
 NO_SPECULATION = ("none", "off")
+API_KEY_ENV = "TANDEM_API_KEY"  # as vLLM's VLLM_API_KEY: the key without putting it on the command line
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +53,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-profile", default=None,
                    help="forward cost curve JSON for the adaptive policy (default: measured once, cached)")
     p.add_argument("--reprofile", action="store_true", help="measure the cost curve again")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV})")
+    p.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                   help="larger request bodies get 413 without being read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -70,6 +76,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
         served_model_name=args.served_model_name, drain_timeout_s=args.drain_timeout,
         cost_profile=args.cost_profile, reprofile=args.reprofile,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_request_bytes=args.max_request_bytes,
     )
     return engine, server
 
@@ -90,7 +97,8 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
     gc.freeze()
     name = server_config.served_model_name or engine_config.model
     async_engine = AsyncEngine(engine, server_config.max_queued_requests, ServerMetrics(name))
-    return build_app(async_engine, name)
+    return build_app(async_engine, name, api_key=server_config.api_key,
+                     max_request_bytes=server_config.max_request_bytes)
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:

@@ -12,7 +12,8 @@ import copy
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -21,9 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.config import SamplingParams
+from tandem.config import SamplingParams, ServerConfig
 from tandem.llm import chat_token_ids
 from tandem.server.async_engine import AsyncEngine, Delta, EngineStoppedError, Generation, QueueFullError
+from tandem.server.guard import RequestGuard
 from tandem.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -46,6 +48,8 @@ from tandem.types import SpecStats
 log = logging.getLogger("tandem.server")
 
 DISCONNECT_POLL_S = 0.25
+# Normalizers may change a text's length; the early length check (ServingContext) allows for it.
+TEXT_GROWTH_ALLOWANCE = 2
 
 
 class APIError(Exception):
@@ -66,19 +70,54 @@ def _sse(payload) -> str:
 
 
 class ServingContext:
-    """What the routes need: the engine, the served name, the context length, the tokenizer."""
+    """What the routes need: the engine, the served name, the context length, the tokenizer and
+    the thread that runs it (tokenizing a long prompt must not hold up the event loop, and so
+    every stream)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        # Its own copy: the engine thread decodes with the original at the same time, and a Rust
-        # tokenizer used from two threads at once can fail with "Already borrowed".
+        # Its own copy, used only on its own thread: the engine thread decodes with the original at
+        # the same time, and a Rust tokenizer used from two threads at once can fail with
+        # "Already borrowed".
         self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
         self.max_model_len = engine.engine.config.max_model_len
         self.vocab_size = engine.engine.loaded.config.vocab_size
+        self.max_token_chars = longest_token_chars(self.tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
+
+    async def tokenize(self, fn: Callable[[], list[int]]) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit the context: it has at least
+        chars / max_token_chars tokens (no token covers more characters than its vocabulary
+        entry spells)."""
+        if self.max_token_chars is None:
+            return
+        least = chars // (self.max_token_chars * TEXT_GROWTH_ALLOWANCE)
+        if least >= self.max_model_len:
+            raise APIError(400, f"the prompt has {chars} characters, so at least {least} tokens; this model's "
+                                f"context is {self.max_model_len} tokens: shorten the prompt", param=param,
+                           code="context_length_exceeded")
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one vocabulary entry spells (byte-level BPE spells a byte per
+    character, SentencePiece a character per character, so no token covers more text), or
+    None for a tokenizer without a vocabulary to read."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab = get_vocab() if get_vocab is not None else None
+    return max(map(len, vocab)) if vocab else None
+
+
+def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
+              max_request_bytes: int | None = ServerConfig.max_request_bytes) -> FastAPI:
+    """api_key: every route but /health then needs `Authorization: Bearer <api_key>`;
+    max_request_bytes: larger bodies get 413 unread (None: no cap)."""
     ctx = ServingContext(engine, model_name)
 
     @asynccontextmanager
@@ -89,6 +128,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         # uvicorn has already let in-flight requests run for its drain timeout (SIGTERM) and
         # cancelled the rest; whatever the engine still holds is aborted now.
         await engine.stop(timeout_s=0.0)
+        ctx.close()
 
     app = FastAPI(title="tandem", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding",
@@ -96,6 +136,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                              503: {"model": ErrorResponse}})
     _add_error_handlers(app)
     _add_routes(app, ctx)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_bytes)
     return app
 
 
@@ -149,37 +190,39 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request):
-        prompts = [_encode_prompt(ctx, p) for p in body.prompt_list()]
+        prompts = [await _encode_prompt(ctx, p) for p in body.prompt_list()]
         return await _serve(ctx, body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prompt = _encode_chat(ctx, body)
+        prompt = await _encode_chat(ctx, body)
         return await _serve(ctx, body, [prompt], request, chat=True)
 
 
 # ---- request -> engine ------------------------------------------------------------------------
 
 
-def _encode_prompt(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
+async def _encode_prompt(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
         bad = [t for t in prompt if not 0 <= t < ctx.vocab_size]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})", param="prompt")
         return list(prompt)
-    ids = ctx.tokenizer.encode(prompt)
+    ctx.check_text_length(len(prompt), "prompt")
+    ids = await ctx.tokenize(lambda: ctx.tokenizer.encode(prompt))
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     return list(ids)
 
 
-def _encode_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+async def _encode_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     tok = ctx.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise APIError(400, f"{ctx.model_name} has no chat template; use /v1/completions", param="messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages")
     try:
-        return chat_token_ids(tok, messages)
+        return await ctx.tokenize(lambda: chat_token_ids(tok, messages))
     except Exception as err:  # jinja raises for conversations a template rejects (role order ...)
         raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from err
 

@@ -1,0 +1,202 @@
+"""What no single request may do to the server: an API key shuts out every route but /health, an
+oversized body is refused unread (413), a prompt that cannot fit the context is refused before it
+is tokenized, and tokenizing runs off the event loop so other requests keep flowing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import ToyTokenizer, tiny_loaded
+from tandem.config import EngineConfig, ServerConfig
+from tandem.engine.engine import Engine
+from tandem.launch_server import add_serve_args, configs_from_args, serve_in_background
+from tandem.server.app import build_app, longest_token_chars
+from tandem.server.async_engine import AsyncEngine
+from tandem.server.metrics import ServerMetrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAME = "tiny"
+MAX_LEN = 128
+KEY = "sk-tandem-test"
+
+
+class VocabTokenizer(ToyTokenizer):
+    """ToyTokenizer with a vocabulary to read (entries of up to 8 characters, which covers any
+    number it encodes plus its separating space) and a switch that holds encode() until released."""
+
+    hold = threading.Event()
+    held = threading.Event()
+    encode_calls = 0
+    chat_template = "toy"
+
+    def get_vocab(self):
+        return {"12345678": 1, "7": 7}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [4] + [t for m in messages for t in self.encode(m["content"])] + [7]
+
+    def encode(self, text):
+        VocabTokenizer.encode_calls += 1
+        if text.startswith("hold"):
+            VocabTokenizer.held.set()
+            assert VocabTokenizer.hold.wait(30)
+            text = text.removeprefix("hold")
+        return super().encode(text)
+
+
+def start(**app_kwargs):
+    _, loaded = tiny_loaded("llama")
+    loaded = dataclasses.replace(loaded, tokenizer=VocabTokenizer())
+    engine = Engine(loaded, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=4))
+    return serve_in_background(build_app(AsyncEngine(engine, 16, ServerMetrics(NAME)), NAME, **app_kwargs))
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    server = start(api_key=KEY)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def open_server():
+    server = start()
+    yield server
+    server.stop()
+
+
+def root(server) -> str:
+    return server.url.removesuffix("/v1")
+
+
+def test_api_key_is_required_on_every_route_but_health(keyed_server):
+    good = openai.OpenAI(base_url=keyed_server.url, api_key=KEY, max_retries=0)
+    r = good.completions.create(model=NAME, prompt="5 6 7", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    with pytest.raises(openai.AuthenticationError) as err:
+        openai.OpenAI(base_url=keyed_server.url, api_key="wrong", max_retries=0).models.list()
+    assert err.value.status_code == 401
+    assert err.value.body["code"] == "invalid_api_key"
+    base = root(keyed_server)
+    assert httpx.get(f"{base}/health").status_code == 200
+    for path in ("/v1/models", "/metrics", "/openapi.json"):
+        r = httpx.get(f"{base}{path}")
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+
+
+def test_a_20_mb_request_is_refused_unread_and_the_next_one_is_served(open_server):
+    url = f"{open_server.url}/chat/completions"
+    huge = json.dumps({"messages": [{"role": "user", "content": "1 " * (10 * 2**20)}], "max_tokens": 4}).encode()
+    before = VocabTokenizer.encode_calls
+    t = time.monotonic()
+    r = httpx.post(url, content=huge, headers={"Content-Type": "application/json"}, timeout=30)
+    refused_after = time.monotonic() - t
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert refused_after < 5, f"refusing took {refused_after:.1f} s"
+    assert VocabTokenizer.encode_calls == before
+    client = openai.OpenAI(base_url=open_server.url, api_key="unused", max_retries=0)
+    r = client.completions.create(model=NAME, prompt="5 6 7", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+def test_a_chunked_body_over_the_cap_is_refused():
+    server = start(max_request_bytes=4096)
+    try:
+        def chunks():
+            for _ in range(64):
+                yield b" " * 1024
+
+        r = httpx.post(f"{server.url}/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "request_too_large"
+        small = httpx.post(f"{server.url}/completions", json={"prompt": "5 6", "max_tokens": 2})
+        assert small.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(open_server):
+    before = VocabTokenizer.encode_calls
+    # 2 * 8 characters per token at most -> 4096 characters are at least 256 tokens > 128.
+    for path, body in (("completions", {"prompt": "1 " * 2048}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "1 " * 2048}]})):
+        r = httpx.post(f"{open_server.url}/{path}", json=body)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert "at least" in r.json()["error"]["message"]
+    assert VocabTokenizer.encode_calls == before
+    # Shorter than the bound: tokenized, then refused by the exact count.
+    r = httpx.post(f"{open_server.url}/completions", json={"prompt": "1 " * 200})
+    assert r.status_code == 400 and "at least" not in r.json()["error"]["message"]
+    assert VocabTokenizer.encode_calls == before + 1
+
+
+def test_tokenizing_does_not_hold_up_other_requests(open_server):
+    VocabTokenizer.hold.clear()
+    VocabTokenizer.held.clear()
+    client = openai.OpenAI(base_url=open_server.url, api_key="unused", max_retries=0, timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(client.completions.create, model=NAME, prompt="hold 5 6", max_tokens=2, temperature=0)
+        try:
+            assert VocabTokenizer.held.wait(30)
+            # The held request is inside encode(); the event loop still answers and streams.
+            assert httpx.get(f"{open_server.url}/models", timeout=10).status_code == 200
+            stream = client.completions.create(model=NAME, prompt=[5, 6], max_tokens=3, stream=True, temperature=0)
+            assert sum(1 for c in stream if c.choices and c.choices[0].text) >= 1
+            assert not slow.done()
+        finally:
+            VocabTokenizer.hold.set()
+        assert slow.result(timeout=30).usage.completion_tokens == 2
+
+
+def test_serve_flags_and_environment_give_the_key(monkeypatch):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    _, server = configs_from_args(parser.parse_args(["--max-request-bytes", "65536"]))
+    assert server.api_key == "from-env" and server.max_request_bytes == 65536
+    assert "from-env" not in repr(server)
+    _, server = configs_from_args(parser.parse_args(["--api-key", "from-flag"]))
+    assert server.api_key == "from-flag"
+    monkeypatch.delenv("TANDEM_API_KEY")
+    _, server = configs_from_args(parser.parse_args([]))
+    assert server.api_key is None and server.max_request_bytes == ServerConfig.max_request_bytes
+    with pytest.raises(ValueError):
+        ServerConfig(max_request_bytes=10)
+
+
+def test_longest_token_chars_bounds_real_text():
+    """On a byte-level BPE vocabulary no token covers more characters than the bound."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = ["the quick brown fox jumps over the lazy dog " * 20, "    indented code\n\tline " * 20, "naïve café 東京 " * 20]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+
+    class Wrapped:
+        def get_vocab(self):
+            return tok.get_vocab()
+
+    bound = longest_token_chars(Wrapped())
+    for t in text:
+        assert len(t) <= bound * len(tok.encode(t).ids)
+    assert longest_token_chars(ToyTokenizer()) is None
