@@ -130,3 +130,19 @@ def kernel_path(request, monkeypatch):
 def block_variant(request, monkeypatch):
     """TANDEM_KERNELS set to one block-kernel variant for the test."""
     return _use_kernel_path(request.param, monkeypatch)
+
+
+def quantized_tiny(arch: str) -> "LoadedModel":
+    """A tiny random model with int4 weights on whatever path TANDEM_KERNELS selects (the fused,
+    batch-invariant path where it selects a block-kernel variant)."""
+    from tandem.model.arch import model_config_from_hf
+    from tandem.model.loader import LoadedModel, StateDictSource, resolve_kernels
+    from tandem.model.transformer import TransformerLM
+
+    hf, _ = build_tiny(arch)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    cfg = model_config_from_hf(hf.config.to_dict())
+    path = resolve_kernels("int4")
+    dtype = torch.float32 if path == "block" else torch.bfloat16
+    model = TransformerLM(cfg, StateDictSource(state, "int4", dtype, kernels=path), dtype)
+    return LoadedModel(model, ToyTokenizer(), cfg, f"int4-{arch}", dtype, "int4", path)

@@ -5,29 +5,15 @@ other, and TANDEM_KERNELS refuses what the CPU cannot run."""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ToyTokenizer, build_tiny
+from conftest import quantized_tiny
 
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.llm import LLM
 from tandem.model import kernels
-from tandem.model.arch import model_config_from_hf
 from tandem.model.block_linear import BlockQ4Linear, BlockQ8Linear
-from tandem.model.loader import LoadedModel, StateDictSource, resolve_kernels
 from tandem.model.quant import Int4Linear
-from tandem.model.transformer import TransformerLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def quantized_tiny(arch: str) -> LoadedModel:
-    """A tiny random model with int4 weights on whatever path TANDEM_KERNELS selects."""
-    hf, _ = build_tiny(arch)
-    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    cfg = model_config_from_hf(hf.config.to_dict())
-    path = resolve_kernels("int4")
-    dtype = torch.float32 if path == "block" else torch.bfloat16
-    model = TransformerLM(cfg, StateDictSource(state, "int4", dtype, kernels=path), dtype)
-    return LoadedModel(model, ToyTokenizer(), cfg, f"int4-{arch}", dtype, "int4", path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -167,6 +167,14 @@ class EngineConfig:
     threads: int | None = None
     spec: SpecConfig = field(default_factory=SpecConfig)
     kv_cache_dtype: str = "auto"  # passed to load_model (model/kv_cache.kv_cache_dtype)
+    # KV slots all running requests may hold together; a request is admitted only when its
+    # prompt + max_tokens (+ a draft) fits beside the others' (None: every row full, capped at
+    # mem_fraction_static of the memory available when the engine starts).
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.5
+    # Prompt tokens prefilled per step while other requests decode (0: whole prompts at once);
+    # see Engine._prefill_chunks.
+    chunked_prefill_size: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -180,6 +188,12 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         kv_cache_dtype_name(self.kv_cache_dtype)
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size must be >= 0, got {self.chunked_prefill_size}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
 
 
 @dataclass(frozen=True)

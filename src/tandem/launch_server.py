@@ -23,7 +23,7 @@ from tandem.engine.engine import Engine
 from tandem.flags import add_model_args, add_spec_args, spec_from_args
 from tandem.llm import configure_threads
 from tandem.model.catalogue import DEFAULT_DRAFTERS
-from tandem.model.loader import load_model
+from tandem.model.loader import load_model, return_freed_memory
 from tandem.scheduler.profile import cost_curve_for
 from tandem.server.app import build_app
 from tandem.server.async_engine import AsyncEngine
@@ -34,6 +34,9 @@ from tandem.server.metrics import ServerMetrics
 # runs) because a policy without a measured cost curve cannot adapt.
 SERVE_POLICY = "adaptive"
 NO_SPECULATION = ("none", "off")
+# 32 requests decode together by default: the KV cache commits memory only for the tokens they
+# hold (model/kv_cache.py), so the rows cost nothing until used.
+SERVE_MAX_RUNNING_REQUESTS = 32
 API_KEY_ENV = "TANDEM_API_KEY"  # as vLLM's VLLM_API_KEY: the key without putting it on the command line
 
 
@@ -43,8 +46,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                                     "none: plain decoding")
     p.add_argument("--host", default=ServerConfig.host)
     p.add_argument("--port", type=int, default=ServerConfig.port)
-    p.add_argument("--max-running-requests", type=int, default=EngineConfig.max_num_seqs,
+    p.add_argument("--max-running-requests", "--max-num-seqs", type=int, default=SERVE_MAX_RUNNING_REQUESTS,
                    help="requests decoded together (KV cache rows)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV slots all running requests may hold together (default: every row full, capped by "
+                        "--mem-fraction-static)")
+    p.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size,
+                   help="prompt tokens prefilled per step while other requests decode (0: whole prompts)")
+    p.add_argument("--mem-fraction-static", "--gpu-memory-utilization", type=float,
+                   default=EngineConfig.mem_fraction_static,
+                   help="the share of the memory available at startup the KV cache may take")
     p.add_argument("--max-queued-requests", type=int, default=ServerConfig.max_queued_requests,
                    help="requests waiting for a running slot before new ones get 503")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
@@ -70,7 +81,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_running_requests, threads=args.threads, spec=spec,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
     )
     server = ServerConfig(
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
@@ -92,13 +104,38 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
         curve = cost_curve_for(loaded, engine_config.device, threads, server_config.cost_profile,
                                server_config.reprofile)
     engine = Engine(loaded, engine_config, cost_curve=curve)
+    return_freed_memory()  # what the cost profile's measurement allocated
     # As in LLM: keep the cyclic GC from rescanning the loaded model mid-decoding.
-    gc.collect()
     gc.freeze()
     name = server_config.served_model_name or engine_config.model
     async_engine = AsyncEngine(engine, server_config.max_queued_requests, ServerMetrics(name))
-    return build_app(async_engine, name, api_key=server_config.api_key,
-                     max_request_bytes=server_config.max_request_bytes)
+    app = build_app(async_engine, name, api_key=server_config.api_key,
+                    max_request_bytes=server_config.max_request_bytes)
+    app.state.memory_summary = memory_summary(loaded, engine)
+    return app
+
+
+def memory_summary(loaded, engine: Engine) -> str:
+    """What the startup line says about memory: the weights, the KV cache's budget and the RSS."""
+    cache = engine.cache
+    weights = sum(t.numel() * t.element_size() for t in (*loaded.model.parameters(), *loaded.model.buffers()))
+    budget = engine.max_total_tokens
+    return (f"memory: weights {weights / 1e6:.0f} MB; KV cache up to {budget} tokens = "
+            f"{budget * cache.bytes_per_token / 1e6:.0f} MB ({cache.bytes_per_token / 1e3:.1f} KB per token, "
+            f"{cache.max_seqs} rows of {cache.max_len}; committed as requests write it, "
+            f"{cache.tokens_held * cache.bytes_per_token / 1e6:.0f} MB now); process RSS {resident_bytes() / 1e6:.0f} MB")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
@@ -108,6 +145,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
           f"(speculation: {spec.algorithm or 'off'}"
           f"{f', policy {spec.policy}, up to {spec.max_draft_len} draft tokens' if spec.algorithm else ''})",
           flush=True)
+    print(app.state.memory_summary, flush=True)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=log_level,
                 timeout_graceful_shutdown=server_config.drain_timeout_s)
     return 0

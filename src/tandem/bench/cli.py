@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.bench.base import bench_base
+from tandem.bench.burst import add_burst_bench_parser
 from tandem.bench.results_doc import results_command
 from tandem.bench.serve import add_serve_bench_parser
 from tandem.bench.spec_merge import merge_command
@@ -22,6 +23,7 @@ def add_bench_parser(sub) -> None:
     _add_spec_merge_parser(kinds)
     _add_results_parser(kinds)
     add_serve_bench_parser(kinds)
+    add_burst_bench_parser(kinds)
 
 
 def _add_base_parser(kinds) -> None:

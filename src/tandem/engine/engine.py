@@ -60,6 +60,11 @@ class Engine:
         self.cache = KVCache(cfg, config.max_num_seqs, config.max_model_len, loaded.dtype, config.device,
                              loaded.kv_dtype(config.device))
         self.runner = ModelRunner(loaded.model, self.cache)
+        # Admission reserves each request's most KV slots (prompt + max_tokens + a draft), so the
+        # running requests never outgrow the budget: nothing is preempted, new requests wait.
+        self.max_total_tokens = self.cache.token_budget(config.mem_fraction_static, config.max_total_tokens)
+        self.kv_reserved = 0
+        self._reservations: dict[str, int] = {}
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -70,6 +75,7 @@ class Engine:
             self.drafter = create_drafter(config.spec, target)
             self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round, self.runner.verify_rows)
         self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted (a cache row each), prompt not yet all in the cache
         self.running: list[Request] = []
         self.stats = SpecStats()
         self._ids = itertools.count()
@@ -87,6 +93,12 @@ class Engine:
             )
         if params.max_tokens > budget:
             params = dataclasses.replace(params, max_tokens=budget)
+        need = self._kv_need(len(prompt_ids), params)
+        if need > self.max_total_tokens:
+            raise ValueError(
+                f"the request may hold {need} KV tokens (prompt + max_tokens + a draft); the engine holds at most "
+                f"{self.max_total_tokens} for all requests (max_total_tokens): ask for fewer max_tokens"
+            )
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
@@ -102,20 +114,23 @@ class Engine:
             if req.request_id == request_id:
                 self.waiting.remove(req)
                 req.finish_reason = "abort"
-        for req in list(self.running):
+        for req in [*self.prefilling, *self.running]:
             if req.request_id == request_id:
                 req.finish_reason = "abort"
                 self._retire(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[StepUpdate]:
-        """Prefill newly admitted requests, or run one speculative round for the running ones."""
-        admitted = self._admit()
-        updates = self._prefill(admitted) if admitted else self._decode_round()
+        """One speculative round for the running requests, then a piece of the admitted prompts
+        (whole prompts when nothing else decodes; see _prefill_chunks)."""
+        self.prefilling.extend(self._admit())
+        updates = self._decode_round()
+        if self.prefilling:
+            updates += self._prefill(self._prefill_chunks())
         for u in updates:
             if u.request.finished:
                 self._retire(u.request)
@@ -123,24 +138,77 @@ class Engine:
         return updates
 
     def _admit(self) -> list[Request]:
+        """Waiting requests in arrival order, while a cache row is free and their KV slots fit."""
         admitted = []
         while self.waiting and self.cache.num_free:
+            need = self._kv_need(len(self.waiting[0].prompt_ids), self.waiting[0].params)
+            if self.kv_reserved + need > self.max_total_tokens:
+                break
             req = self.waiting.popleft()
             req.seq = self.cache.allocate()
+            self.kv_reserved += need
+            self._reservations[req.request_id] = need
             admitted.append(req)
         return admitted
 
-    def _prefill(self, batch: list[Request]) -> list[StepUpdate]:
+    def _kv_need(self, prompt_len: int, params: SamplingParams) -> int:
+        """The most cache slots a request can hold: its prompt, every token it may generate and
+        one round's draft beyond the last."""
+        return min(self.config.max_model_len, prompt_len + params.max_tokens + self._draft_slots)
+
+    @property
+    def _draft_slots(self) -> int:
+        return self.config.spec.max_draft_len if self.drafter is not None else 0
+
+    def max_tokens_room(self, prompt_len: int) -> int:
+        """The most tokens a request with this prompt may ask for: what the context and the KV
+        budget (max_total_tokens) both leave."""
+        context = self.config.max_model_len - prompt_len
+        if self.max_total_tokens >= self.config.max_model_len:  # any request that fits the context fits
+            return context
+        return min(context, self.max_total_tokens - prompt_len - self._draft_slots)
+
+    def _prefill_chunks(self) -> list[tuple[Request, int, int]]:
+        """The prompt pieces (request, start, end) this step prefills.
+
+        While requests decode, at most `chunked_prefill_size` prompt tokens per step, oldest
+        request first, so a burst of new prompts delays each running request's next token by a
+        bounded piece instead of the whole burst. With nothing decoding, whole prompts (nobody
+        waits on them). Chunks only where the runner is batch invariant: there a chunked prompt
+        gives bit for bit the numbers of an unchunked one, which later verification compares
+        against; elsewhere prompts always run whole.
+        """
+        budget = self.config.chunked_prefill_size
+        if not (budget and self.running and self.runner.batch_invariant):
+            return [(r, r.prefilled, len(r.prompt_ids)) for r in self.prefilling]
+        chunks = []
+        for req in self.prefilling:
+            take = min(budget, len(req.prompt_ids) - req.prefilled)
+            chunks.append((req, req.prefilled, req.prefilled + take))
+            budget -= take
+            if budget == 0:
+                break
+        return chunks
+
+    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
+        """Write the chunks' prompt tokens to the cache; a request whose prompt is then complete
+        samples its first token from the last prompt row and starts decoding."""
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
-        out = self.runner.forward([SeqInput(r.seq, r.prompt_ids, logits="last") for r in batch], needs)
+        inputs = [SeqInput(r.seq, r.prompt_ids[a:e], logits="last" if e == len(r.prompt_ids) else [])
+                  for r, a, e in chunks]
+        out = self.runner.forward(inputs, needs)
         updates = []
-        for b, req in enumerate(batch):
+        for b, (req, _, end) in enumerate(chunks):
+            req.prefilled = end
+            req.pending_hidden.add({layer: h[b] for layer, h in out.hidden.items()})
+            if end < len(req.prompt_ids):
+                continue
+            self.prefilling.remove(req)
             try:
                 token = self._sample_one(out.rows(b), req)
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
-            req.pending_hidden.add({layer: h[b] for layer, h in out.hidden.items()})
             updates.append(self._commit(req, [token], RoundCounts(0, 0, 0))[0])
         return updates
 
@@ -266,9 +334,12 @@ class Engine:
     def _retire(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         if req.seq is not None:
             self.cache.release(req.seq)
             req.seq = None
+            self.kv_reserved -= self._reservations.pop(req.request_id)
         if self.drafter is not None:
             self.drafter.release(req.request_id)
             self.policy.release(req.request_id)

@@ -50,6 +50,7 @@ class Request:
     generator: torch.Generator
     eos_ids: frozenset[int]
     seq: int | None = None
+    prefilled: int = 0  # prompt tokens already in the KV cache (prompts may be prefilled in chunks)
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None
     finish_reason: str | None = None

@@ -1,10 +1,19 @@
-"""Preallocated, position-indexed KV cache: one row per sequence, one slot per committed token.
+"""Position-indexed KV cache: one row per sequence, one slot per committed token.
 
 Rejecting drafts means not keeping their slots (`truncate`); accepting a tree path gathers its
 nodes' rows into contiguous slots (`commit_path`). Nothing is reallocated while decoding.
+
+On CPU the rows are reserved, not committed: the tensors live in an anonymous private mapping
+whose pages the OS commits when a slot is first written, and a released row's pages go back to
+the OS (madvise DONTNEED: they read as zeros again). So the memory a server holds grows with the
+tokens its requests actually hold, not with max_seqs x max_len, which is the CPU's version of
+paged KV blocks without an indirection in the attention kernels.
 """
 
 from __future__ import annotations
+
+import mmap
+import math
 
 import torch
 
@@ -16,6 +25,21 @@ from tandem.model.transformer import LayerCache
 class CacheFullError(RuntimeError):
     pass
 
+
+class LazyZeros:
+    """A zero tensor of `shape` over an anonymous private mapping: no memory is committed until a
+    page is written, and `forget(offset, nbytes)` returns the whole pages of a byte range."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=math.prod(shape)).view(shape)
+
+    def forget(self, offset: int, nbytes: int) -> None:
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 
@@ -38,6 +62,20 @@ def kv_cache_dtype(activation_dtype: torch.dtype, device: str | torch.device, re
     return torch.float32 if on_cpu else activation_dtype
 
 
+def available_memory_bytes(device: str | torch.device) -> int | None:
+    """Memory free for new allocations: MemAvailable on CPU (Linux), free device memory on CUDA."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class KVCache:
     def __init__(
         self,
@@ -54,8 +92,13 @@ class KVCache:
         dtype = storage or kv_cache_dtype(dtype, device)
         # Layout [L, S, Hkv, M, D]: a sequence's keys for one layer are a contiguous [Hkv, M, D]
         # block, so a batch-1 read is a view and attention needs no gather.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._lazy = [LazyZeros(shape, dtype), LazyZeros(shape, dtype)] if torch.device(device).type == "cpu" else []
+        if self._lazy:
+            self.k, self.v = (z.tensor for z in self._lazy)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.k.element_size()
         self.layers = [LayerCache(self.k[i], self.v[i]) for i in range(cfg.num_layers)]
         # Position of the token stored in each slot: equal to the slot index for committed
         # tokens, the tree depth position for uncommitted tree nodes (sliding windows need it).
@@ -64,6 +107,7 @@ class KVCache:
         self.max_len = max_len
         self.lengths = [0] * max_seqs
         self.last_start = [0] * max_seqs
+        self._touched = [0] * max_seqs  # the most slots a row has written since it was last emptied
         self._free = list(range(max_seqs - 1, -1, -1))
 
     @property
@@ -82,7 +126,35 @@ class KVCache:
         if seq in self._free:
             raise ValueError(f"cache row {seq} released twice")
         self.lengths[seq] = 0
+        self._forget(seq)
         self._free.append(seq)
+
+    def token_budget(self, mem_fraction: float, requested: int | None = None) -> int:
+        """The KV slots all rows may hold together: `requested`, or every row full, capped at
+        `mem_fraction` of the memory available now (the rows' pages are committed as written)."""
+        if requested is not None:
+            return requested
+        full = self.max_seqs * self.max_len
+        free = available_memory_bytes(self.k.device)
+        if free is None:
+            return full
+        return max(self.max_len, min(full, int(mem_fraction * free) // self.bytes_per_token))
+
+    @property
+    def tokens_held(self) -> int:
+        """Slots in use across the rows (committed tokens and the last forward's drafts)."""
+        return sum(self.lengths)
+
+    def _forget(self, seq: int) -> None:
+        """Give the pages row `seq` wrote back to the OS (CPU only; a no-op for an unused row)."""
+        if not self._lazy or not self._touched[seq]:
+            return
+        L, S, Hkv, M, D = self.k.shape
+        row = Hkv * M * D * self.k.element_size()  # one layer's [Hkv, M, D] block of this row
+        for layer in range(L):
+            for z in self._lazy:
+                z.forget((layer * S + seq) * row, row)
+        self._touched[seq] = 0
 
     def reserve(self, seq: int, num_new: int) -> int:
         """Claim the next `num_new` slots of `seq` for a forward; returns the first slot."""
@@ -91,6 +163,7 @@ class KVCache:
             raise CacheFullError(f"sequence needs {start + num_new} slots; max_model_len is {self.max_len}")
         self.last_start[seq] = start
         self.lengths[seq] = start + num_new
+        self._touched[seq] = max(self._touched[seq], start + num_new)
         return start
 
     def truncate(self, seq: int, length: int) -> None:

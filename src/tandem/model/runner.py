@@ -84,6 +84,12 @@ class ModelRunner:
             return sum(lengths)
         return len(lengths) * max(lengths, default=0)
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's numbers are the same whatever else shares its forward and however a
+        prompt is split (the fused path): then prompts may be prefilled in chunks, bit for bit."""
+        return self.fused is not None
+
     @torch.inference_mode()
     def forward(
         self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = (), token_by_token: bool = False
@@ -138,8 +144,14 @@ class ModelRunner:
         if L in hidden_layers:
             normed = model.norm(x)
             hidden[L] = [normed[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
-        selected = flat[rows[0] : rows[0] + 1] if len(rows) == 1 else flat[torch.tensor(rows, device=self.device)]
-        return ForwardOutput(model.logits(selected), offsets, hidden)
+        return ForwardOutput(self._logits(flat, rows), offsets, hidden)
+
+    def _logits(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits of the rows of x the inputs asked for ([0, V] when none did: a prompt chunk)."""
+        if not rows:
+            return torch.empty(0, self.model.cfg.vocab_size, device=x.device)
+        selected = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, dtype=torch.long, device=x.device)]
+        return self.model.logits(selected)
 
     def _forward_fused(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
         """Chains and trees through the fused kernels (see fused.py), at most FUSED_ROW_BUDGET
@@ -206,8 +218,7 @@ class ModelRunner:
         if L in hidden_layers:
             by_layer[L] = model.norm(x)
         hidden = {li: [h[bounds[b] : bounds[b + 1]] for b in range(len(inputs))] for li, h in by_layer.items()}
-        selected = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, dtype=torch.long)]
-        return ForwardOutput(model.logits(selected), offsets, hidden)
+        return ForwardOutput(self._logits(x, rows), offsets, hidden)
 
     def _plan(self, inputs: list[SeqInput], starts: list[int], T: int, token_by_token: bool):
         cache, device = self.cache, self.device

@@ -230,16 +230,25 @@ async def _encode_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list
 def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]]) -> list[list[SamplingParams]]:
     """One SamplingParams per choice of each prompt; checks each prompt fits the context."""
     out = []
+    engine = ctx.engine.engine
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     for p in prompts:
         room = ctx.max_model_len - len(p)
         if room < 1:
             raise APIError(400, f"the prompt has {len(p)} tokens; this model's context is {ctx.max_model_len} "
-                                "tokens: shorten the prompt", param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded")
+                                "tokens: shorten the prompt", param=param, code="context_length_exceeded")
         if body.max_tokens is not None and body.max_tokens > room:
             raise APIError(400, f"max_tokens {body.max_tokens} + the prompt's {len(p)} tokens exceed this model's "
                                 f"context of {ctx.max_model_len} tokens: ask for at most {room}", param="max_tokens",
                            code="context_length_exceeded")
+        # Admission reserves prompt + max_tokens of KV cache (Engine.max_total_tokens for all requests).
+        kv_room = engine.max_tokens_room(len(p))
+        if kv_room < 1 or (body.max_tokens is not None and body.max_tokens > kv_room):
+            raise APIError(400, f"the prompt's {len(p)} tokens and max_tokens {body.max_tokens} exceed the KV cache this "
+                                f"server holds for all requests ({engine.max_total_tokens} tokens, --max-total-tokens): "
+                                f"ask for at most {max(kv_room, 0)} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        room = kv_room
         choices = []
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2**64

@@ -36,8 +36,13 @@ class ServerMetrics:
         self.request_success = counter("tandem:request_success", "Finished requests by finish reason", ["finished_reason"])
         self.prompt_tokens = counter("tandem:prompt_tokens", "Prefilled prompt tokens")
         self.generation_tokens = counter("tandem:generation_tokens", "Generated (committed) tokens")
-        self.running = gauge("tandem:num_requests_running", "Requests in the running batch")
+        self.running = gauge("tandem:num_requests_running", "Requests admitted to the running batch (decoding or having their prompt prefilled)")
         self.waiting = gauge("tandem:num_requests_waiting", "Requests admitted but waiting for a running slot")
+        self.kv_usage = gauge("tandem:kv_cache_usage_perc",
+                              "KV cache slots held / the engine's token budget (max_total_tokens), 0-1")
+        self.kv_reserved = gauge("tandem:kv_cache_reserved_perc",
+                                 "KV slots reserved by running requests (prompt + max_tokens) / the token budget, 0-1")
+        self.kv_bytes = gauge("tandem:kv_cache_bytes", "Bytes of KV cache the held slots take")
         self.time_to_first_token = histogram("tandem:time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.inter_token_latency = histogram(
             "tandem:inter_token_latency_seconds",
@@ -62,8 +67,12 @@ class ServerMetrics:
 
     def record_step(self, engine) -> None:
         """After a step (engine thread): gauges and the speculation counters' increments."""
-        self.running.set(len(engine.running))
+        self.running.set(len(engine.running) + len(engine.prefilling))
         self.waiting.set(len(engine.waiting))
+        held = engine.cache.tokens_held
+        self.kv_usage.set(held / engine.max_total_tokens)
+        self.kv_reserved.set(engine.kv_reserved / engine.max_total_tokens)
+        self.kv_bytes.set(held * engine.cache.bytes_per_token)
         s = engine.stats
         drafts, draft_tokens, accepted, per_pos = self._seen
         self.num_drafts.inc(s.num_drafts - drafts)

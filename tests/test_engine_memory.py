@@ -1,0 +1,186 @@
+"""Serving under load, at the engine: prompts prefilled in chunks beside decoding (bit for bit the
+numbers of an unchunked prefill, and the same hidden states for drafters), a KV cache whose
+memory follows the tokens held, and admission under a token budget (requests wait, never crash)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import quantized_tiny, tiny_loaded
+from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.drafters.base import Drafter, DrafterNeeds
+from tandem.engine.engine import Engine
+from tandem.model.kv_cache import KVCache
+from tandem.types import Draft
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+LONG_PROMPT = [(7 * i + 3) % 90 + 3 for i in range(37)]
+
+
+@pytest.fixture
+def fused(block_variant):
+    loaded = quantized_tiny("llama")
+    assert Engine(loaded, EngineConfig(max_model_len=128, max_num_seqs=1)).runner.batch_invariant
+    return loaded
+
+
+def run(engine: Engine, track: str | None = None) -> tuple[dict[str, list[int]], list[int]]:
+    """Step to the end -> (output ids per request, prompt tokens prefilled per step of `track`)."""
+    pieces = []
+    requests = list(engine.waiting)
+    while engine.has_work():
+        tracked = next((r for r in engine.prefilling + list(engine.waiting) if r.request_id == track), None)
+        before = tracked.prefilled if tracked else None
+        engine.step()
+        if tracked is not None and tracked.prefilled != before:
+            pieces.append(tracked.prefilled - before)
+    return {r.request_id: r.output_ids for r in requests}, pieces
+
+
+def test_a_prompt_arriving_while_others_decode_is_prefilled_in_chunks_bit_for_bit(fused):
+    chunked = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=3, chunked_prefill_size=5))
+    chunked.add_request([5, 6, 7], GREEDY, "early")
+    chunked.step()  # nothing decodes yet: the first prompt runs whole
+    assert [r.request_id for r in chunked.running] == ["early"]
+    chunked.add_request(LONG_PROMPT, GREEDY, "late")
+    late = chunked.waiting[-1]
+    chunked.step()
+    seq = late.seq
+    while late.prefilled < len(LONG_PROMPT):
+        chunked.step()
+    # The finished prompt's cache rows, written in pieces, against a prefill of the whole prompt.
+    whole = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=1, chunked_prefill_size=0))
+    whole.add_request(LONG_PROMPT, GREEDY, "late")
+    whole.step()
+    ref_seq = whole.running[0].seq
+    n = len(LONG_PROMPT)
+    assert torch.equal(chunked.cache.k[:, seq, :, :n], whole.cache.k[:, ref_seq, :, :n])
+    assert torch.equal(chunked.cache.v[:, seq, :, :n], whole.cache.v[:, ref_seq, :, :n])
+    assert late.output_ids[:1] == whole.running[0].output_ids[:1]
+
+
+def test_chunked_prefill_keeps_greedy_output_and_bounds_each_piece(fused):
+    def engine(size):
+        e = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=4, chunked_prefill_size=size))
+        e.add_request([9, 10, 11, 12], GREEDY, "a")
+        e.step()
+        for i, p in enumerate(([20 + i for i in range(23)], LONG_PROMPT, [30, 31] * 9)):
+            e.add_request(p, GREEDY, f"p{i}")
+        return e
+
+    want, pieces = run(engine(0), track="p1")
+    assert pieces == [len(LONG_PROMPT)]
+    got, pieces = run(engine(8), track="p1")
+    assert got == want
+    assert len(pieces) > 2 and max(pieces) <= 8 and sum(pieces) == len(LONG_PROMPT)
+
+
+class HiddenRecorder(Drafter):
+    """Drafts nothing; records the hidden rows the engine hands it, per request."""
+
+    needs = DrafterNeeds(hidden_layers=(0, 2))
+
+    def __init__(self, spec, target) -> None:
+        super().__init__(spec, target)
+        self.seen: dict[str, list[dict[int, torch.Tensor]]] = {}
+
+    def propose(self, batch):
+        for inp in batch:
+            self.seen.setdefault(inp.request_id, []).append(inp.hidden)
+        return [Draft.empty() for _ in batch]
+
+
+def test_drafters_get_the_same_hidden_rows_from_a_chunked_prompt(fused):
+    def recorded(size):
+        e = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2, chunked_prefill_size=size,
+                                       spec=SpecConfig("ngram", 2)))
+        e.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
+        e.add_request([9, 10, 11], GREEDY, "a")
+        e.step()
+        e.add_request(LONG_PROMPT, GREEDY, "b")
+        run(e)
+        return e.drafter.seen["b"][0]
+
+    whole, pieces = recorded(0), recorded(6)
+    assert set(whole) == {0, 2} and whole[0].shape[0] == len(LONG_PROMPT)
+    for layer in whole:
+        assert torch.equal(whole[layer], pieces[layer])
+
+
+def test_prompts_run_whole_off_the_batch_invariant_path():
+    _, loaded = tiny_loaded("llama")
+    e = Engine(loaded, EngineConfig(max_model_len=128, max_num_seqs=2, chunked_prefill_size=4))
+    assert not e.runner.batch_invariant
+    e.add_request([5, 6], GREEDY, "a")
+    e.step()
+    e.add_request(LONG_PROMPT, GREEDY, "b")
+    _, pieces = run(e, track="b")
+    assert pieces == [len(LONG_PROMPT)]
+
+
+def test_the_kv_cache_commits_memory_only_for_written_slots_and_returns_it():
+    _, loaded = tiny_loaded("llama")
+    cfg = loaded.config
+    cache = KVCache(cfg, 128, 4096, torch.float32)
+    virtual = 2 * cache.k.numel() * cache.k.element_size()
+    assert virtual >= 2**28
+    before = _rss()
+    seq = cache.allocate()
+    start = cache.reserve(seq, 100)
+    cache.k[:, seq, :, start : start + 100] = 1.0
+    cache.v[:, seq, :, start : start + 100] = 2.0
+    assert _rss() - before < virtual // 8  # only the written rows' pages
+    cache.release(seq)
+    # Released pages went back to the OS: they read as zeros again, unlike a reused row's stale values.
+    assert not cache.k[:, seq].any() and not cache.v[:, seq].any()
+    assert cache.tokens_held == 0
+    assert cache.bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+def test_a_token_budget_makes_requests_wait_and_refuses_what_can_never_fit():
+    _, loaded = tiny_loaded("llama")
+    e = Engine(loaded, EngineConfig(max_model_len=64, max_num_seqs=4, max_total_tokens=40))
+    assert e.max_total_tokens == 40
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i in range(3):
+        e.add_request([5 + i] * 8, params, f"r{i}")  # 18 slots each: two fit beside each other
+    e.step()
+    assert len(e.running) + len(e.prefilling) == 2 and len(e.waiting) == 1
+    assert e.kv_reserved == 36
+    outputs, _ = run(e)
+    assert all(len(ids) == 10 for ids in outputs.values())
+    assert e.kv_reserved == 0
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        e.add_request([5] * 8, SamplingParams(max_tokens=40), "too-big")
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_the_server_sizes_max_tokens_to_the_kv_budget_and_reports_its_use():
+    import httpx
+
+    from tandem.launch_server import serve_in_background
+    from tandem.server.app import build_app
+    from tandem.server.async_engine import AsyncEngine
+    from tandem.server.metrics import ServerMetrics
+
+    _, loaded = tiny_loaded("llama")
+    engine = Engine(loaded, EngineConfig(max_model_len=128, max_num_seqs=4, max_total_tokens=40))
+    server = serve_in_background(build_app(AsyncEngine(engine, 8, ServerMetrics("tiny")), "tiny"))
+    try:
+        r = httpx.post(f"{server.url}/completions", json={"prompt": "5 6 7", "max_tokens": 50})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "--max-total-tokens" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/completions", json={"prompt": "5 6 7", "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 37
+        metrics = httpx.get(f"{server.url.removesuffix('/v1')}/metrics").text
+        for name in ("tandem:kv_cache_usage_perc", "tandem:kv_cache_reserved_perc", "tandem:kv_cache_bytes"):
+            assert name in metrics
+    finally:
+        server.stop()
