@@ -103,3 +103,39 @@ def test_a_mode_names_its_policy_and_may_name_its_drafter():
     assert mode_flags("confidence:dspark") == ["--speculative-policy", "confidence", "--speculative-algorithm", "dspark"]
     with pytest.raises(ValueError, match="POLICY"):
         mode_flags("greedy:dspark")
+
+
+def test_bench_burst_against_a_running_server(servers, tmp_path, capsys):
+    from tandem.bench.results_doc import render
+
+    out = tmp_path / "serve" / "bench_burst.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("count: 1 2 3\nsay hi\n")
+    argv = ["bench", "burst", "--model", "tiny", "--url", servers["off"], "--burst", "3", "--running", "1",
+            "--prompts-file", str(prompts),
+            "--unloaded-seconds", "0.2", "--max-tokens", "6", "--running-max-tokens", "40", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    (r,) = report["results"]
+    assert r["burst"] == 3 and r["running"] == 1 and r["errors"] == 0
+    assert 0 < r["ttft_p50_s"] <= r["ttft_max_s"] and r["burst_throughput"] > 0
+    assert r["itl_unloaded_p50_ms"] > 0
+    assert "TTFT p50" in capsys.readouterr().out
+    assert "`tandem bench burst`" in render(tmp_path)
+
+
+def test_burst_summary_arithmetic():
+    from tandem.bench.burst import Stream, summarize as summarize_burst
+
+    # One running stream: a token every 10 ms before the burst (t < 1), every 40 ms while its
+    # prompts are prefilled (until the last first token at t = 1.4), every 20 ms after.
+    pieces = [i * 0.01 for i in range(100)] + [1.0 + i * 0.04 for i in range(1, 11)] + [1.4 + i * 0.02 for i in range(1, 11)]
+    long = [Stream(0.0, pieces)]
+    burst = [Stream(1.0, [1.2, 1.25]), Stream(1.0, [1.4, 1.5])]
+    r = summarize_burst("x", long, burst, start=1.0, end=1.6)
+    assert r.ttft_p50_s == pytest.approx(0.4) and r.ttft_max_s == pytest.approx(0.4)
+    assert r.itl_unloaded_p50_ms == pytest.approx(10, abs=0.01)
+    assert r.itl_during_p50_ms == pytest.approx(40, abs=0.01) and r.itl_after_p50_ms == pytest.approx(20, abs=0.01)
+    # A gap belongs to the window its second token lands in: 0.99 -> 1.04 is the burst's worst.
+    assert r.itl_during_p99_ms == pytest.approx(50, abs=0.01) and r.itl_p99_over_after == pytest.approx(2.5, abs=0.01)
+    assert r.burst_throughput == pytest.approx(4 / 0.6)

@@ -11,6 +11,7 @@ from conftest import quantized_tiny, tiny_loaded
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters.base import Drafter, DrafterNeeds
 from tandem.engine.engine import Engine
+from tandem.engine.request import Request
 from tandem.model.kv_cache import KVCache
 from tandem.types import Draft
 
@@ -184,3 +185,95 @@ def test_the_server_sizes_max_tokens_to_the_kv_budget_and_reports_its_use():
             assert name in metrics
     finally:
         server.stop()
+
+
+# ---- prefix caching ----------------------------------------------------------------------------
+
+
+def served(engine: Engine, prompt: list[int], params=GREEDY, rid: str = "r") -> Request:
+    req = engine.add_request(prompt, params, rid)
+    while not req.finished:
+        engine.step()
+    return req
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=12)])
+def test_a_prefix_hit_gives_bit_for_bit_what_a_fresh_engine_computes(fused, params):
+    first = [(5 * i + 2) % 90 + 3 for i in range(21)]
+    cached = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2))
+    a = served(cached, first, params, "a")
+    second = first + a.output_ids + [44, 45, 46, 47, 48]  # the next turn re-sends the transcript
+    b = cached.add_request(second, params, "b")
+    cached.step()
+    assert b.prefilled == len(second) or b.finished
+    assert cached.prefix_cache.hit_tokens == len(first) + len(a.output_ids) - 1
+    while not b.finished:
+        cached.step()
+    # A fresh engine computes every token of the same request itself (nothing to hit) and keeps
+    # its row too: the two rows, one reused and extended, one computed whole, must be the same bits.
+    fresh = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2))
+    ref = served(fresh, second, params, "b")
+    assert fresh.prefix_cache.hit_tokens == 0
+    assert b.output_ids == ref.output_ids
+    n = len(second) + len(b.output_ids) - 1
+    (mine,) = [r for r in cached.prefix_cache._rows.values() if r.tokens == b.context[:n]]
+    (theirs,) = fresh.prefix_cache._rows.values()
+    assert theirs.tokens == mine.tokens
+    assert torch.equal(cached.cache.k[:, mine.seq, :, :n], fresh.cache.k[:, theirs.seq, :, :n])
+    assert torch.equal(cached.cache.v[:, mine.seq, :, :n], fresh.cache.v[:, theirs.seq, :, :n])
+
+
+def test_kept_rows_are_evicted_least_recently_used_first(fused):
+    engine = Engine(fused, EngineConfig(max_model_len=64, max_num_seqs=2))
+    p1, p2, p3 = [3, 4, 5, 6] * 3, [7, 8, 9, 10] * 3, [11, 12, 13] * 4
+    served(engine, p1, rid="1")
+    served(engine, p2, rid="2")
+    assert len(engine.prefix_cache) == 2
+    served(engine, p1 + [20], rid="1b")  # reuses row 1 (now most recently used) and keeps its own
+    kept = [r.tokens[: len(p1)] for r in engine.prefix_cache._rows.values()]
+    assert p2 not in kept  # the new request's row came from evicting the least recent (p2)
+    served(engine, p3, rid="3")
+    assert all(r.tokens[:12] != p2 for r in engine.prefix_cache._rows.values())
+    assert engine.prefix_cache.hit_tokens == len(p1)
+
+
+def test_a_full_engine_takes_the_matching_row_over(fused):
+    engine = Engine(fused, EngineConfig(max_model_len=64, max_num_seqs=1))
+    a = served(engine, LONG_PROMPT[:20], rid="a")
+    b = served(engine, a.context[:-1] + [50, 51], rid="b")
+    ref = served(Engine(fused, EngineConfig(max_model_len=64, max_num_seqs=1, enable_prefix_caching=False)),
+                 a.context[:-1] + [50, 51], rid="b")
+    assert b.output_ids == ref.output_ids
+    assert engine.prefix_cache.hit_tokens == len(a.context) - 1
+
+
+def test_kept_rows_count_against_the_budget_and_give_way(fused):
+    engine = Engine(fused, EngineConfig(max_model_len=64, max_num_seqs=4, max_total_tokens=40))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    served(engine, [3, 4, 5] * 4, params, "a")
+    served(engine, [6, 7, 8] * 4, params, "b")
+    assert engine.prefix_cache.tokens_held == 2 * 19
+    served(engine, [9, 10] * 6, params, "c")  # needs 20 slots beside 38 kept: the older row (a) goes
+    assert [r.tokens[:3] for r in engine.prefix_cache._rows.values()] == [[6, 7, 8], [9, 10, 9]]
+    assert engine.prefix_cache.tokens_held == 38 and engine.kv_reserved == 0
+
+
+def test_a_hit_hands_drafters_the_hidden_rows_of_the_reused_prefix(fused):
+    def recorded(caching):
+        e = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2, enable_prefix_caching=caching,
+                                       spec=SpecConfig("ngram", 2)))
+        e.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
+        a = served(e, LONG_PROMPT[:15], rid="a")
+        served(e, a.context[:-1] + [60, 61, 62], rid="b")
+        return e, e.drafter.seen["b"][0]
+
+    engine, with_hit = recorded(True)
+    assert engine.prefix_cache.hit_tokens > 10
+    _, without = recorded(False)
+    for layer in without:
+        assert torch.equal(with_hit[layer], without[layer])
+
+
+def test_no_prefix_cache_off_the_batch_invariant_path():
+    _, loaded = tiny_loaded("llama")
+    assert Engine(loaded, EngineConfig(max_model_len=64)).prefix_cache is None

@@ -175,6 +175,8 @@ class EngineConfig:
     # Prompt tokens prefilled per step while other requests decode (0: whole prompts at once);
     # see Engine._prefill_chunks.
     chunked_prefill_size: int = 64
+    # Keep finished requests' KV rows and reuse the longest matching prefix (engine/prefix_cache.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):

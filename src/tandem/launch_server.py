@@ -53,6 +53,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "--mem-fraction-static)")
     p.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size,
                    help="prompt tokens prefilled per step while other requests decode (0: whole prompts)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.enable_prefix_caching,
+                   help="keep finished requests' KV rows and reuse the longest matching prompt prefix")
+    p.add_argument("--disable-radix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="SGLang's spelling of --no-enable-prefix-caching")
     p.add_argument("--mem-fraction-static", "--gpu-memory-utilization", type=float,
                    default=EngineConfig.mem_fraction_static,
                    help="the share of the memory available at startup the KV cache may take")
@@ -83,6 +88,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_model_len=args.max_model_len, max_num_seqs=args.max_running_requests, threads=args.threads, spec=spec,
         kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static, chunked_prefill_size=args.chunked_prefill_size,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     server = ServerConfig(
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,

@@ -22,13 +22,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tandem.bench.prompts import load_prompt_file
 from tandem.bench.serve import _free_port, stop_server
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl"
 RUNNING_PROMPT = "Write a long story about a lighthouse keeper and a storm, in many chapters."
-RUNNING_MAX_TOKENS = 1000  # the running streams outlast the burst; they are cancelled after it
 
 
 @dataclass
@@ -78,14 +78,15 @@ async def _stream(http, url: str, model: str, prompt: str, max_tokens: int, out:
 
 
 async def run_burst(url: str, model: str, prompts: list[str], running: int, unloaded_s: float,
-                    max_tokens: int) -> tuple[list[Stream], list[Stream], float, float]:
-    """-> (running streams, burst streams, burst start, burst end)."""
+                    max_tokens: int, running_max_tokens: int = 1000) -> tuple[list[Stream], list[Stream], float, float]:
+    """-> (running streams, burst streams, burst start, burst end). The running streams are asked
+    for enough tokens to outlast the burst and are cancelled after it."""
     import httpx  # lazy: only the benchmark's client needs it
 
     limits = httpx.Limits(max_connections=running + len(prompts) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
         long = [Stream(time.perf_counter()) for _ in range(running)]
-        long_tasks = [asyncio.create_task(_stream(http, url, model, RUNNING_PROMPT, RUNNING_MAX_TOKENS, s)) for s in long]
+        long_tasks = [asyncio.create_task(_stream(http, url, model, RUNNING_PROMPT, running_max_tokens, s)) for s in long]
         while any(len(s.pieces) < 2 and s.error is None for s in long):
             await asyncio.sleep(0.05)
         await asyncio.sleep(unloaded_s)
@@ -133,7 +134,7 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
-def _launch(flags: str, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+def launch_with_flags(flags: str, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
     import httpx  # lazy: only the benchmark's client needs it
 
     port = _free_port()
@@ -157,7 +158,10 @@ def _launch(flags: str, model: str, log_path: Path) -> tuple[subprocess.Popen, s
 
 
 def bench_burst(args) -> dict:
-    questions = [json.loads(line)["turns"][0] for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    if args.prompts_file:
+        questions = [p.text for p in load_prompt_file(args.prompts_file, args.burst)]
+    else:
+        questions = [json.loads(line)["turns"][0] for line in QUESTIONS.read_text().splitlines() if line.strip()]
     prompts = [questions[i % len(questions)] for i in range(args.burst)]
     servers = [("url " + u, u) for u in args.url] or [(f or "default", f) for f in args.server_flags]
     results = []
@@ -167,12 +171,13 @@ def bench_burst(args) -> dict:
             url = target.rstrip("/")
         else:
             print(f"starting `tandem serve {target}` ...", flush=True)
-            proc, url = _launch(target, args.model, Path(args.out).parent / f"server-{len(results)}.log")
+            proc, url = launch_with_flags(target, args.model, Path(args.out).parent / f"server-{len(results)}.log")
         try:
             asyncio.run(run_burst(url, args.model, ["Say hello."], 0, 0.0, 8))  # warm-up, off the clock
             rss_start = _rss_mb(proc.pid) if proc else None
             long, burst, start, end = asyncio.run(run_burst(url, args.model, prompts, args.running,
-                                                            args.unloaded_seconds, args.max_tokens))
+                                                            args.unloaded_seconds, args.max_tokens,
+                                                            args.running_max_tokens))
             result = summarize(label, long, burst, start, end)
             result.rss_start_mb, result.rss_end_mb = rss_start, _rss_mb(proc.pid) if proc else None
             results.append(result)
@@ -212,9 +217,11 @@ def add_burst_bench_parser(kinds) -> None:
                         "'' '--max-running-requests 8 --chunked-prefill-size 0'")
     p.add_argument("--url", action="append", default=[], help="an already running server instead (repeatable)")
     p.add_argument("--burst", type=int, default=32, help="simultaneous new requests (MT-Bench questions)")
+    p.add_argument("--prompts-file", default=None, help="the burst's prompts (.jsonl or one per line; default MT-Bench)")
     p.add_argument("--running", type=int, default=4, help="long streams running before the burst")
     p.add_argument("--unloaded-seconds", type=float, default=2.0, help="how long they run alone first")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--running-max-tokens", type=int, default=1000, help="what the running streams ask for")
     p.add_argument("--out", default="results/serve/bench_burst.json")
     p.set_defaults(func=_run)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tandem.bench.agent import add_agent_bench_parser
 from tandem.bench.base import bench_base
 from tandem.bench.burst import add_burst_bench_parser
 from tandem.bench.results_doc import results_command
@@ -24,6 +25,7 @@ def add_bench_parser(sub) -> None:
     _add_results_parser(kinds)
     add_serve_bench_parser(kinds)
     add_burst_bench_parser(kinds)
+    add_agent_bench_parser(kinds)
 
 
 def _add_base_parser(kinds) -> None:

@@ -10,7 +10,7 @@ checked-in results/README.md is up to date.
 
 This file is the page (its head, the table of contents, one section per file, the fallback for
 files of no known kind) and the command; each kind's section is in results_spec.py,
-results_base.py, results_advise.py or results_serve.py, the text helpers in results_format.py.
+results_base.py, results_advise.py, results_serve.py or results_load.py, the text helpers in results_format.py.
 Pure JSON and text: nothing here imports torch or loads a model.
 """
 
@@ -24,6 +24,7 @@ from typing import Any, Callable
 from tandem.bench.results_advise import advise_section
 from tandem.bench.results_base import base_section
 from tandem.bench.results_format import cell, slug, table
+from tandem.bench.results_load import agent_section, burst_section
 from tandem.bench.results_page import KINDS, Page, kind_of, machine_line
 from tandem.bench.results_serve import serve_section
 from tandem.bench.results_spec import spec_section
@@ -57,6 +58,8 @@ SECTIONS: dict[str, Callable[[Page, str, Any], list[str]]] = {
     "bench_base": base_section,
     "advise": advise_section,
     "bench_serve": serve_section,
+    "bench_burst": burst_section,
+    "bench_agent": agent_section,
     "unknown": generic_section,
 }
 

@@ -26,6 +26,8 @@ KINDS = {
     "bench_base": "tandem bench base",
     "advise": "tandem advise",
     "bench_serve": "tandem bench serve",
+    "bench_burst": "tandem bench burst",
+    "bench_agent": "tandem bench agent",
 }
 
 # Reports written before a machine was recorded in them: what the notes of those runs said about it.
@@ -106,6 +108,10 @@ def kind_of(data: Any) -> str:
         return "advise"
     if isinstance(data.get("levels"), dict) and isinstance(data.get("modes"), list):
         return "bench_serve"
+    if isinstance(data.get("results"), list) and "burst" in data:
+        return "bench_burst"
+    if isinstance(data.get("runs"), dict) and "cache on" in data["runs"]:
+        return "bench_agent"
     return "unknown"
 
 

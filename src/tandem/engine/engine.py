@@ -23,6 +23,7 @@ from tandem.drafters import (
     TargetInfo,
     create_drafter,
 )
+from tandem.engine.prefix_cache import CachedRow, PrefixCache
 from tandem.engine.request import Request
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
@@ -65,6 +66,10 @@ class Engine:
         self.max_total_tokens = self.cache.token_budget(config.mem_fraction_static, config.max_total_tokens)
         self.kv_reserved = 0
         self._reservations: dict[str, int] = {}
+        # Finished requests' rows kept for reuse: exact only where a token's KV does not depend on
+        # how it was computed (the batch-invariant fused path). Their tokens count against the
+        # budget; the least recently used row is evicted when a request needs its room.
+        self.prefix_cache = PrefixCache() if config.enable_prefix_caching and self.runner.batch_invariant else None
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -138,18 +143,66 @@ class Engine:
         return updates
 
     def _admit(self) -> list[Request]:
-        """Waiting requests in arrival order, while a cache row is free and their KV slots fit."""
+        """Waiting requests in arrival order, while a cache row is free and their KV slots fit
+        (kept prefix rows are evicted, least recently used first, to make room). A request whose
+        prompt starts like a kept row gets that prefix's KV and prefills only the rest."""
         admitted = []
-        while self.waiting and self.cache.num_free:
-            need = self._kv_need(len(self.waiting[0].prompt_ids), self.waiting[0].params)
-            if self.kv_reserved + need > self.max_total_tokens:
+        while self.waiting:
+            req = self.waiting[0]
+            need = self._kv_need(len(req.prompt_ids), req.params)
+            if not self._place(req, need):
                 break
-            req = self.waiting.popleft()
-            req.seq = self.cache.allocate()
+            self.waiting.popleft()
             self.kv_reserved += need
             self._reservations[req.request_id] = need
             admitted.append(req)
         return admitted
+
+    def _place(self, req: Request, need: int) -> bool:
+        """Give `req` a cache row, starting with the longest kept prefix of its prompt; False
+        when it must wait."""
+        row, hit = self.prefix_cache.longest_prefix(req.prompt_ids) if self.prefix_cache else (None, 0)
+        if row is None:
+            if not self._make_room(need, keep=None):
+                return False
+            req.seq = self.cache.allocate()
+        elif self._make_room(need, keep=row.seq):
+            req.seq = self.cache.allocate()
+            self.cache.copy_prefix(row.seq, req.seq, hit)
+        elif self.kv_reserved + self.prefix_cache.tokens_held - len(row.tokens) + need <= self.max_total_tokens:
+            # The matching row is the only one left to evict: the request takes it over.
+            req.seq = self.prefix_cache.take(row.seq).seq
+            self.cache.truncate(req.seq, hit)
+        else:
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.record(len(req.prompt_ids), hit, row)
+        if hit:
+            req.prefilled = hit
+            self._add_hidden(req, {layer: rows[:hit] for layer, rows in row.hidden.items()})
+        return True
+
+    def _fits(self, need: int) -> bool:
+        kept = self.prefix_cache.tokens_held if self.prefix_cache else 0
+        return self.kv_reserved + kept + need <= self.max_total_tokens
+
+    def _make_room(self, need: int, keep: int | None) -> bool:
+        """Evict kept rows (never row `keep`) until a row is free and `need` slots fit."""
+        while not (self.cache.num_free and self._fits(need)):
+            row = self.prefix_cache.evict(keep) if self.prefix_cache else None
+            if row is None:
+                return False
+            self.cache.release(row.seq)
+        return True
+
+    def _add_hidden(self, req: Request, rows: dict[int, torch.Tensor]) -> None:
+        """Hidden rows of tokens just written to the cache: for the drafter, and for the prefix
+        cache when it keeps them."""
+        if not rows:
+            return
+        req.pending_hidden.add(rows)
+        if self.prefix_cache is not None:
+            req.hidden_log.add(rows)
 
     def _kv_need(self, prompt_len: int, params: SamplingParams) -> int:
         """The most cache slots a request can hold: its prompt, every token it may generate and
@@ -200,7 +253,7 @@ class Engine:
         updates = []
         for b, (req, _, end) in enumerate(chunks):
             req.prefilled = end
-            req.pending_hidden.add({layer: h[b] for layer, h in out.hidden.items()})
+            self._add_hidden(req, {layer: h[b] for layer, h in out.hidden.items()})
             if end < len(req.prompt_ids):
                 continue
             self.prefilling.remove(req)
@@ -254,7 +307,7 @@ class Engine:
         token is the next input), then append the committed tokens."""
         kept_rows = [0] + [node + 1 for node in path]
         self.cache.keep(req.seq, kept_rows)
-        req.pending_hidden.add({layer: h[kept_rows] for layer, h in hidden.items()})
+        self._add_hidden(req, {layer: h[kept_rows] for layer, h in hidden.items()})
         update, counted = self._commit(req, committed, RoundCounts.of(draft, len(path)))
         if self.policy is not None:
             self.policy.observe(req.request_id, counted.depth, counted.accepted)
@@ -337,12 +390,23 @@ class Engine:
         if req in self.prefilling:
             self.prefilling.remove(req)
         if req.seq is not None:
-            self.cache.release(req.seq)
+            self._keep_or_release(req)
             req.seq = None
             self.kv_reserved -= self._reservations.pop(req.request_id)
         if self.drafter is not None:
             self.drafter.release(req.request_id)
             self.policy.release(req.request_id)
+
+    def _keep_or_release(self, req: Request) -> None:
+        """Keep a finished request's row for prefix reuse (its cache holds every token of its
+        context but the last, which was sampled and never fed), or free it."""
+        held = min(self.cache.lengths[req.seq], len(req.context) - 1)
+        if self.prefix_cache is None or req.finish_reason == "error" or held < 1:
+            self.cache.release(req.seq)
+            return
+        self.cache.truncate(req.seq, held)
+        hidden = {layer: rows[:held] for layer, rows in req.hidden_log.take().items()}
+        self.prefix_cache.add(CachedRow(req.seq, req.context[:held], hidden))
 
     def _maybe_log(self) -> None:
         now = time.perf_counter()

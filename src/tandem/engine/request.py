@@ -60,6 +60,9 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     pending_hidden: HiddenRows = field(default_factory=HiddenRows)
+    # Every hidden row the request's tokens produced, kept only when the engine keeps finished
+    # rows for prefix caching and the drafter reads hidden states (a later hit hands them on).
+    hidden_log: HiddenRows = field(default_factory=HiddenRows)
     _generators_elsewhere: dict[torch.device, torch.Generator] = field(default_factory=dict, repr=False)
     # Incremental detokenisation (`_decode_output`): `_decoded` is the text of
     # output_ids[:_read_offset]; output_ids[_prefix_offset:_read_offset] decode to `_prefix_text`.

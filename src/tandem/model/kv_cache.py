@@ -166,6 +166,16 @@ class KVCache:
         self._touched[seq] = max(self._touched[seq], start + num_new)
         return start
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Row `dst` (just allocated) starts with the first `length` slots of row `src`."""
+        if not 0 < length <= self.lengths[src] or self.lengths[dst]:
+            raise ValueError(f"cannot copy {length} slots of row {src} (length {self.lengths[src]}) into row {dst}")
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.slot_positions[dst, :length] = self.slot_positions[src, :length]
+        self.lengths[dst] = self.last_start[dst] = length
+        self._touched[dst] = max(self._touched[dst], length)
+
     def truncate(self, seq: int, length: int) -> None:
         """Keep the first `length` slots of `seq` (drops rejected draft tokens)."""
         if not 0 <= length <= self.lengths[seq]:

@@ -43,6 +43,8 @@ class ServerMetrics:
         self.kv_reserved = gauge("tandem:kv_cache_reserved_perc",
                                  "KV slots reserved by running requests (prompt + max_tokens) / the token budget, 0-1")
         self.kv_bytes = gauge("tandem:kv_cache_bytes", "Bytes of KV cache the held slots take")
+        self.prefix_queries = counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("tandem:prefix_cache_hits", "Prompt tokens whose KV the prefix cache supplied")
         self.time_to_first_token = histogram("tandem:time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS)
         self.inter_token_latency = histogram(
             "tandem:inter_token_latency_seconds",
@@ -64,6 +66,7 @@ class ServerMetrics:
             "The policy's predicted throughput gain over plain decoding for the last round",
         )
         self._seen = (0, 0, 0, [])
+        self._prefix_seen = (0, 0)
 
     def record_step(self, engine) -> None:
         """After a step (engine thread): gauges and the speculation counters' increments."""
@@ -73,6 +76,11 @@ class ServerMetrics:
         self.kv_usage.set(held / engine.max_total_tokens)
         self.kv_reserved.set(engine.kv_reserved / engine.max_total_tokens)
         self.kv_bytes.set(held * engine.cache.bytes_per_token)
+        if engine.prefix_cache is not None:
+            queried, hits = engine.prefix_cache.queried_tokens, engine.prefix_cache.hit_tokens
+            self.prefix_queries.inc(queried - self._prefix_seen[0])
+            self.prefix_hits.inc(hits - self._prefix_seen[1])
+            self._prefix_seen = (queried, hits)
         s = engine.stats
         drafts, draft_tokens, accepted, per_pos = self._seen
         self.num_drafts.inc(s.num_drafts - drafts)

@@ -1,0 +1,46 @@
+"""The results page's sections for `tandem bench burst` (a burst of simultaneous requests against
+servers with different flags) and `tandem bench agent` (an agent loop, prefix cache on and off)."""
+
+from __future__ import annotations
+
+from tandem.bench.results_format import bash_block, num, shell_line, table, times
+from tandem.bench.results_page import KINDS, Page, machine_line, model_flags
+
+
+def burst_section(page: Page, rel: str, data: dict) -> list[str]:
+    results = data["results"]
+    words = ["tandem", "bench", "burst", *model_flags(data), "--server-flags",
+             *[r["server"] if r["server"] != "default" else "" for r in results],
+             "--burst", str(data.get("burst")), "--running", str(data.get("running")),
+             "--max-tokens", str(data.get("max_tokens")), "--out", page.shown(rel)]
+    lines = [f"`{KINDS['bench_burst']}`: {data.get('burst')} simultaneous streamed chat requests of "
+             f"{data.get('max_tokens')} tokens arrive while {data.get('running')} long streams run; "
+             f"{data.get('model')}, one `tandem serve` per row.", ""]
+    lines += bash_block([shell_line(words)])
+    lines += ["", machine_line(rel, data.get("machine")), ""]
+    rows = [[f"`{r['server']}`", num(r["ttft_p50_s"]), num(r["ttft_max_s"]), num(r["burst_throughput"], 0),
+             num(r["itl_unloaded_p50_ms"], 1), num(r["itl_during_p50_ms"], 1), num(r["itl_during_p99_ms"], 0),
+             num(r["itl_after_p50_ms"], 1), times(r["itl_p99_over_after"]),
+             num(r["rss_start_mb"], 0) if r.get("rss_start_mb") else "-", r["errors"]] for r in results]
+    lines += table(["server flags", "TTFT p50 s", "TTFT max s", "tok/s", "running ITL before ms",
+                    "during p50 ms", "during p99 ms", "after p50 ms", "p99 / after", "RSS at start MB", "errors"], rows)
+    return lines
+
+
+def agent_section(page: Page, rel: str, data: dict) -> list[str]:
+    on, off = data["runs"]["cache on"], data["runs"]["cache off"]
+    words = ["tandem", "bench", "agent", *model_flags(data), "--turns", str(data.get("turns")),
+             "--tool-chars", str(data.get("tool_chars")), "--max-tokens", str(data.get("max_tokens"))]
+    if data.get("server_flags"):
+        words += ["--server-flags", data["server_flags"]]
+    lines = [f"`{KINDS['bench_agent']}`: a {data.get('turns')}-turn agent conversation, each turn re-sending "
+             f"the transcript plus a tool output; {data.get('model')}, prefix cache on and off.", ""]
+    lines += bash_block([shell_line(words + ["--out", page.shown(rel)])])
+    lines += ["", machine_line(rel, data.get("machine")), ""]
+    rows = [[a["turn"], a["prompt_tokens"], num(a["ttft_s"], 3), num(b["ttft_s"], 3), times(b["ttft_s"] / a["ttft_s"])]
+            for a, b in zip(on["turns"], off["turns"])]
+    lines += table(["turn", "prompt tokens", "TTFT cache on s", "TTFT cache off s", "off / on"], rows)
+    same = sum(a["answer"] == b["answer"] for a, b in zip(on["turns"], off["turns"]))
+    lines += ["", f"Prompt tokens reused: {on['prefix_hit_tokens']:.0f} of {on['prefix_queried_tokens']:.0f}; "
+                  f"the same answers with and without the cache in {same}/{len(on['turns'])} turns."]
+    return lines
