@@ -131,6 +131,17 @@ def test_chat_completion_uses_the_template(spec_server):
     assert "spec" in r.model_extra
 
 
+def test_max_completion_tokens_is_max_tokens(spec_server):
+    """OpenAI's newer name (what current clients and load generators such as guidellm send)."""
+    server, _ = spec_server
+    messages = [{"role": "user", "content": "20 21 22"}]
+    r = client(server).chat.completions.create(model=NAME, messages=messages, max_completion_tokens=7, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):
+        client(server).chat.completions.create(model=NAME, messages=messages, max_completion_tokens=7, max_tokens=8)
+
+
 def sse_events(url, body):
     """Raw server-sent events of one streamed request: the JSON payloads and the final marker."""
     with httpx.stream("POST", url, json=body, timeout=60) as r:

@@ -11,6 +11,7 @@ import argparse
 import gc
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -152,9 +153,16 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
           f"{f', policy {spec.policy}, up to {spec.max_draft_len} draft tokens' if spec.algorithm else ''})",
           flush=True)
     print(app.state.memory_summary, flush=True)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=log_level,
-                timeout_graceful_shutdown=server_config.drain_timeout_s)
+    run_uvicorn(app, server_config.host, server_config.port, server_config.drain_timeout_s, log_level)
     return 0
+
+
+def run_uvicorn(app, host: str, port: int, drain_timeout_s: float, log_level: str = "info") -> None:
+    """Serve `app` until SIGTERM/SIGINT; on SIGTERM in-flight requests get `drain_timeout_s` to
+    finish. uvicorn then raises the signal again with the handler it found: a no-op one here, so a
+    drained shutdown returns (the process exits 0) instead of dying of the signal."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from tandem.bench.base import bench_base
 from tandem.bench.burst import add_burst_bench_parser
 from tandem.bench.results_doc import results_command
 from tandem.bench.serve import add_serve_bench_parser
+from tandem.bench.soak import add_soak_bench_parser
 from tandem.bench.spec_merge import merge_command
 from tandem.bench.spec_report import bench_spec
 from tandem.config import DTYPES, QUANTIZATIONS
@@ -26,6 +27,7 @@ def add_bench_parser(sub) -> None:
     add_serve_bench_parser(kinds)
     add_burst_bench_parser(kinds)
     add_agent_bench_parser(kinds)
+    add_soak_bench_parser(kinds)
 
 
 def _add_base_parser(kinds) -> None:

@@ -44,3 +44,16 @@ def agent_section(page: Page, rel: str, data: dict) -> list[str]:
     lines += ["", f"Prompt tokens reused: {on['prefix_hit_tokens']:.0f} of {on['prefix_queried_tokens']:.0f}; "
                   f"the same answers with and without the cache in {same}/{len(on['turns'])} turns."]
     return lines
+
+
+def guidellm_section(page: Page, rel: str, data: dict) -> list[str]:
+    env = f"SERVER_FLAGS={data['server_flags']!r} " if data.get("server_flags") else ""
+    lines = [f"`{KINDS['guidellm']}`: guidellm (PyPI) against `tandem serve`, synthetic prompts, one level per "
+             f"concurrency; {data.get('model')}.", ""]
+    lines += bash_block([f"{env}bash scripts/guidellm_bench.sh"])
+    lines += ["", machine_line(rel, data.get("machine")), ""]
+    rows = [[lv["concurrency"], lv["requests"], lv["errored"], num(lv["output_tokens_per_second"], 1),
+             num(lv["ttft_p50_ms"], 0), num(lv["ttft_p95_ms"], 0), num(lv["itl_p50_ms"], 1), num(lv["itl_p95_ms"], 1)]
+            for lv in data["levels"]]
+    return lines + table(["concurrency", "requests", "errored", "output tok/s", "TTFT p50 ms", "TTFT p95 ms",
+                          "ITL p50 ms", "ITL p95 ms"], rows)

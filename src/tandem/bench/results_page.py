@@ -28,6 +28,7 @@ KINDS = {
     "bench_serve": "tandem bench serve",
     "bench_burst": "tandem bench burst",
     "bench_agent": "tandem bench agent",
+    "guidellm": "scripts/guidellm_bench.sh",
 }
 
 # Reports written before a machine was recorded in them: what the notes of those runs said about it.
@@ -112,6 +113,8 @@ def kind_of(data: Any) -> str:
         return "bench_burst"
     if isinstance(data.get("runs"), dict) and "cache on" in data["runs"]:
         return "bench_agent"
+    if data.get("tool") == "guidellm" and isinstance(data.get("levels"), list):
+        return "guidellm"
     return "unknown"
 
 

@@ -43,6 +43,7 @@ class SamplingFields(BaseModel):
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables")
@@ -75,6 +76,10 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"{name}: {UNSUPPORTED[name]} is not supported by tandem")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens differ: send one of them")
+            self.max_tokens = self.max_completion_tokens
         return self
 
     @property
