@@ -200,3 +200,15 @@ def test_longest_token_chars_bounds_real_text():
     for t in text:
         assert len(t) <= bound * len(tok.encode(t).ids)
     assert longest_token_chars(ToyTokenizer()) is None
+
+
+def test_the_server_leaves_a_core_to_its_http_thread(monkeypatch):
+    from tandem import launch_server
+
+    monkeypatch.setattr(launch_server.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert launch_server.server_threads(None) == 1
+    assert launch_server.server_threads(2) == 2
+    monkeypatch.setattr(launch_server.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert launch_server.server_threads(None) == 1
+    monkeypatch.setattr(launch_server.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert launch_server.server_threads(None) == 7

@@ -27,6 +27,13 @@
 //   scales:    d (and m) as [groups][blocks][LANES] fp16 (GGUF stores them as fp16 too, so a
 //              step reads the GGUF's own bytes), widened to fp32 in registers.
 //
+// Threads: each entry point (tandem_linear, tandem_attend, tandem_decoder_forward) opens one
+// OpenMP parallel region, and every function below it is called by all threads of that team and
+// splits its loops with orphaned worksharing (`omp for`, `omp single`), whose implicit barriers
+// order the steps. A decoder forward is therefore one fork/join, not a few per linear: on a
+// machine whose cores are shared with a server's other threads, every fork wakes sleeping
+// workers (measured: a 2-core server streamed one request at half the speed of 1 thread).
+//
 // Determinism: every output element is computed by one thread, block by block in the same order,
 // from the same quantized activation row, whatever the number of rows, the row tile or the
 // thread count (integer partial sums are exact, so splitting them changes nothing). So row i of
@@ -183,17 +190,21 @@ struct QuantizedRows {
   std::vector<float> scale;       // [n, nb]
   std::vector<float> scaled_sum;  // [n, nb]: scale * sum(q), for the q4 offset term
   std::vector<int32_t> q8_start;  // [n, nb]: -kQ8Bias * sum(q), where a q8 block's sum starts
+
+  void size_for(int64_t n, int64_t K) {
+    const int64_t nb = K / kBlock;
+    q.resize(n * K);
+    scale.resize(n * nb);
+    scaled_sum.resize(n * nb);
+    q8_start.resize(n * nb);
+  }
 };
 
+// Called by every thread of the team, `out` already sized (size_for); rows are split over them.
 void quantize_rows(const float* x, int64_t n, int64_t K, QuantizedRows& out) {
   const int64_t nb = K / kBlock;
-  out.q.resize(n * K);
-  out.scale.resize(n * nb);
-  out.scaled_sum.resize(n * nb);
-  out.q8_start.resize(n * nb);
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
-  // Rows are independent: many of them (a prompt) are split over the threads.
-#pragma omp parallel for schedule(static) if (n >= 16)
+#pragma omp for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* src = x + i * K + b * kBlock;
@@ -251,16 +262,16 @@ inline void rms_norm_into(const float* src, int64_t K, const float* w, float eps
     _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + j), r), _mm256_loadu_ps(w + j)));
 }
 
-// Rows of the transformed input [n, K], row by row in a fixed order (deterministic per row).
-// K is a multiple of 32 (the block size), so rows are whole 8-float vectors.
+// Rows of the transformed input [n, K] into `out` (sized n * K), row by row in a fixed order
+// (deterministic per row); called by every thread of the team. K is a multiple of 32 (the block
+// size), so rows are whole 8-float vectors.
 void transform_rows(const float* x, int64_t n, int64_t K, int64_t x_stride, int transform, const float* w,
-                    float eps, std::vector<float>& out) {
-  out.resize(n * K);
+                    float eps, float* out) {
   const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
-#pragma omp parallel for schedule(static) if (n >= 16)
+#pragma omp for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const float* src = x + i * x_stride;
-    float* dst = out.data() + i * K;
+    float* dst = out + i * K;
     if (transform == kRmsNorm) {
       rms_norm_into(src, K, w, eps, dst);
     } else if (transform == kSwiGLU) {  // g / (1 + e^-g) * u
@@ -292,7 +303,7 @@ struct LinearCall {
   float eps;
   const float* residual;  // [n, N] added to the output, or null (may alias y)
   float* y;               // [n, N]
-  int threads;
+  int threads;            // the team tandem_linear opens
 };
 
 // ---- the small-batch GEMM -------------------------------------------------------------------
@@ -384,7 +395,7 @@ void packed_matmul(const LinearCall& c, const QuantizedRows& xq) {
   const Weights& w = *c.w;
   const int64_t n = c.n, N = w.N;
   const int64_t groups = (N + kLanes - 1) / kLanes;
-#pragma omp parallel for schedule(static) num_threads(c.threads)
+#pragma omp for schedule(static)
   for (int64_t g = 0; g < groups; ++g) {
     alignas(64) float sums[kRowTile * kLanes];
     const int64_t r0 = g * kLanes, lanes = std::min<int64_t>(kLanes, N - r0);
@@ -421,18 +432,30 @@ void packed_matmul(const LinearCall& c, const QuantizedRows& xq) {
   }
 }
 
-void linear(const LinearCall& c) {
-  const int64_t K = c.w->K;
-  std::vector<float> rows;
-  const float* X = c.x;
-  if (c.transform != kIdentity || c.x_stride != K) {
-    transform_rows(c.x, c.n, K, c.x_stride, c.transform, c.norm_w, c.eps, rows);
-    X = rows.data();
-  }
+// What a linear needs between its steps, shared by the team (sized by one thread).
+struct LinearScratch {
+  std::vector<float> rows;  // the transformed input
   QuantizedRows xq;
-  quantize_rows(X, c.n, K, xq);
-  if (c.w->q4) packed_matmul<true>(c, xq);
-  else packed_matmul<false>(c, xq);
+};
+
+// Called by every thread of the team: transform, quantize, multiply, each split over the threads
+// and ended by a barrier.
+void linear(const LinearCall& c, LinearScratch& s) {
+  const int64_t K = c.w->K;
+  const bool transformed = c.transform != kIdentity || c.x_stride != K;
+#pragma omp single
+  {
+    if (transformed) s.rows.resize(c.n * K);
+    s.xq.size_for(c.n, K);
+  }
+  const float* X = c.x;
+  if (transformed) {
+    transform_rows(c.x, c.n, K, c.x_stride, c.transform, c.norm_w, c.eps, s.rows.data());
+    X = s.rows.data();
+  }
+  quantize_rows(X, c.n, K, s.xq);
+  if (c.w->q4) packed_matmul<true>(c, s.xq);
+  else packed_matmul<false>(c, s.xq);
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -668,13 +691,22 @@ void attend_block(const Query* qs, int n, const KvT* K, const KvT* V, float scal
   }
 }
 
+// The query blocks of one attend call, shared by the team (built by one thread).
+struct AttendScratch {
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // [first, end) into `order`
+  std::vector<int64_t> order;                      // t * Hq + h
+};
+
+// Called by every thread of the team.
 template <typename KvT>
-void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
+void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache, AttendScratch& s) {
   const int64_t T = a.T, Hq = a.Hq, Hkv = a.Hkv, D = a.D, M = a.M;
   const int64_t width = (Hq + 2 * Hkv) * D;
-  // Phase 1: rotate k and write k, v of every token (later tokens of a chain attend to them).
+  // Phase 1: rotate k and write k, v of every token (later tokens of a chain attend to them);
+  // each token writes its own slot. The loop's barrier orders this before any query reads.
   {
     std::vector<float> normed(D), rotated(D);
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       const float* row = a.qkv + t * width;
       const int64_t p = a.pos ? a.pos[t] : a.slot[t];
@@ -697,21 +729,25 @@ void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
   const int64_t group = Hq / Hkv;
   const int fast = D == 64 || D == 128 || D == 256;
   const int64_t share = fast ? std::clamp<int64_t>(T * Hq / (2 * a.threads), 1, max_shared_queries(D)) : 1;
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // [first, end) into `order`
-  std::vector<int64_t> order;                      // t * Hq + h
-  order.reserve(T * Hq);
-  for (int64_t t0 = 0, t1 = 0; t0 < T; t0 = t1) {
-    while (t1 < T && a.seq[t1] == a.seq[t0]) ++t1;
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-      const int64_t first = static_cast<int64_t>(order.size());
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) order.push_back(t * Hq + h);
-      const int64_t end = static_cast<int64_t>(order.size());
-      for (int64_t b = first; b < end; b += share) blocks.emplace_back(b, std::min(end, b + share));
+  auto& blocks = s.blocks;
+  auto& order = s.order;
+#pragma omp single
+  {
+    blocks.clear();
+    order.clear();
+    order.reserve(T * Hq);
+    for (int64_t t0 = 0, t1 = 0; t0 < T; t0 = t1) {
+      while (t1 < T && a.seq[t1] == a.seq[t0]) ++t1;
+      for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+        const int64_t first = static_cast<int64_t>(order.size());
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) order.push_back(t * Hq + h);
+        const int64_t end = static_cast<int64_t>(order.size());
+        for (int64_t b = first; b < end; b += share) blocks.emplace_back(b, std::min(end, b + share));
+      }
     }
   }
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-#pragma omp parallel num_threads(a.threads)
   {
     std::vector<float> rotated(4 * D), normed(D);
     std::vector<float> scores[4];
@@ -747,9 +783,10 @@ void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
   }
 }
 
-void attend(const AttendArgs& a) {
-  if (a.kv_half) attend_typed(a, static_cast<uint16_t*>(a.kcache), static_cast<uint16_t*>(a.vcache));
-  else attend_typed(a, static_cast<float*>(a.kcache), static_cast<float*>(a.vcache));
+// Called by every thread of the team.
+void attend(const AttendArgs& a, AttendScratch& s) {
+  if (a.kv_half) attend_typed(a, static_cast<uint16_t*>(a.kcache), static_cast<uint16_t*>(a.vcache), s);
+  else attend_typed(a, static_cast<float*>(a.kcache), static_cast<float*>(a.vcache), s);
 }
 
 // ---- the decoder stack in one call ----------------------------------------------------------
@@ -796,45 +833,65 @@ struct DecoderArgs {
 // x[i] += rms_norm(y[i]) * w for each of n rows of width H (a sandwich norm before the residual).
 void add_normed(float* x, const float* y, int64_t n, int64_t H, const float* w, float eps) {
   std::vector<float> normed(H);
+#pragma omp for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     rms_norm_into(y + i * H, H, w, eps, normed.data());
     for (int64_t j = 0; j < H; ++j) x[i * H + j] += normed[j];
   }
 }
 
+// Everything a decoder forward needs between its steps, sized before the team starts.
+struct ForwardScratch {
+  std::vector<float> qkv, attn, gate_up, projected;
+  LinearScratch linear;
+  AttendScratch attend;
+};
+
 // Each layer: x += post(o(attend(qkv(rms_norm(x))))); x += post(down(act(gate_up(rms_norm(x)))))
 // where post is the sandwich norm when the layer has one, else the identity.
 // x += post(transform(in) @ W): the residual add fused into the linear, or, with a sandwich norm
-// (post non-null), the projection into `scratch` then its normed rows added.
+// (post non-null), the projection into `projected` then its normed rows added.
 void add_projection(const Weights* w, const float* in, int64_t T, int64_t in_stride, int transform, const float* post,
-                    float eps, float* x, int64_t H, std::vector<float>& scratch, int threads) {
+                    float eps, float* x, int64_t H, ForwardScratch& s) {
   if (!post) {
-    linear({w, in, T, in_stride, transform, nullptr, 0.f, x, x, threads});
+    linear({w, in, T, in_stride, transform, nullptr, 0.f, x, x, 0}, s.linear);
     return;
   }
-  scratch.resize(T * H);
-  linear({w, in, T, in_stride, transform, nullptr, 0.f, nullptr, scratch.data(), threads});
-  add_normed(x, scratch.data(), T, H, post, eps);
+  linear({w, in, T, in_stride, transform, nullptr, 0.f, nullptr, s.projected.data(), 0}, s.linear);
+  add_normed(x, s.projected.data(), T, H, post, eps);
 }
 
+// The whole stack in one parallel region: every thread runs the layer loop, and each step
+// splits its work over them (see the note at the top).
 void decoder_forward(const DecoderArgs& a) {
   const int64_t T = a.T, H = a.H;
-  std::vector<float> qkv, attn(T * a.Hq * a.D), gate_up, scratch;
+  ForwardScratch s;
+  int64_t qkv_n = 0, gate_up_n = 0;
+  for (int64_t l = 0; l < a.num_layers; ++l) {
+    qkv_n = std::max(qkv_n, a.layers[l].qkv->N);
+    gate_up_n = std::max(gate_up_n, a.layers[l].gate_up->N);
+  }
+  s.qkv.resize(T * qkv_n);
+  s.gate_up.resize(T * gate_up_n);
+  s.attn.resize(T * a.Hq * a.D);
+  s.projected.resize(T * H);
   const int64_t layer_bytes = a.layer_stride * (a.kv_half ? 2 : 4);
+#pragma omp parallel num_threads(a.threads)
   for (int64_t l = 0; l < a.num_layers; ++l) {
     const DecoderLayer& layer = a.layers[l];
-    qkv.resize(T * layer.qkv->N);
-    gate_up.resize(T * layer.gate_up->N);
-    linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, qkv.data(), a.threads});
-    attend({qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
+    linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, s.qkv.data(), 0}, s.linear);
+    attend({s.qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
             static_cast<char*>(a.kcache) + l * layer_bytes, static_cast<char*>(a.vcache) + l * layer_bytes, a.M,
-            layer.window, a.scale, attn.data(), a.threads, layer.q_norm, layer.k_norm, a.eps, a.kv_half});
-    add_projection(layer.o, attn.data(), T, a.Hq * a.D, kIdentity, layer.post_attn_norm, a.eps, a.x, H, scratch,
-                   a.threads);
-    linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, gate_up.data(), a.threads});
-    add_projection(layer.down, gate_up.data(), T, layer.gate_up->N, a.activation, layer.post_mlp_norm, a.eps, a.x, H,
-                   scratch, a.threads);
-    if (a.capture && a.capture[l]) std::copy(a.x, a.x + T * H, a.capture[l]);
+            layer.window, a.scale, s.attn.data(), a.threads, layer.q_norm, layer.k_norm, a.eps, a.kv_half},
+           s.attend);
+    add_projection(layer.o, s.attn.data(), T, a.Hq * a.D, kIdentity, layer.post_attn_norm, a.eps, a.x, H, s);
+    linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, s.gate_up.data(), 0}, s.linear);
+    add_projection(layer.down, s.gate_up.data(), T, layer.gate_up->N, a.activation, layer.post_mlp_norm, a.eps, a.x,
+                   H, s);
+    if (a.capture && a.capture[l]) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < T; ++i) std::copy(a.x + i * H, a.x + (i + 1) * H, a.capture[l] + i * H);
+    }
   }
 }
 
@@ -872,8 +929,16 @@ extern "C" {
 
 int tandem_lanes() { return kLanes; }
 int tandem_q8_bias() { return kQ8Bias; }
-void tandem_linear(const LinearCall* c) { linear(*c); }
-void tandem_attend(const AttendArgs* a) { attend(*a); }
+void tandem_linear(const LinearCall* c) {
+  LinearScratch s;
+#pragma omp parallel num_threads(c->threads)
+  linear(*c, s);
+}
+void tandem_attend(const AttendArgs* a) {
+  AttendScratch s;
+#pragma omp parallel num_threads(a->threads)
+  attend(*a, s);
+}
 void tandem_decoder_forward(const DecoderArgs* a) { decoder_forward(*a); }
 int64_t tandem_int8_peak(int64_t iters, int threads) { return int8_peak(iters, threads); }
 }
