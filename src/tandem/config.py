@@ -174,7 +174,7 @@ class EngineConfig:
     mem_fraction_static: float = 0.5
     # Prompt tokens prefilled per step while other requests decode (0: whole prompts at once);
     # see Engine._prefill_chunks.
-    chunked_prefill_size: int = 64
+    chunked_prefill_size: int = 32
     # Keep finished requests' KV rows and reuse the longest matching prefix (engine/prefix_cache.py).
     enable_prefix_caching: bool = True
 
