@@ -57,3 +57,21 @@ def guidellm_section(page: Page, rel: str, data: dict) -> list[str]:
             for lv in data["levels"]]
     return lines + table(["concurrency", "requests", "errored", "output tok/s", "TTFT p50 ms", "TTFT p95 ms",
                           "ITL p50 ms", "ITL p95 ms"], rows)
+
+
+def soak_section(page: Page, rel: str, data: dict) -> list[str]:
+    r = data["soak"]
+    words = ["tandem", "bench", "soak", *model_flags(data), "--requests", str(r["requests"]),
+             "--concurrency", str(data.get("concurrency")), "--cancel-share", str(data.get("cancel_share"))]
+    if data.get("server_flags"):
+        words += ["--server-flags", data["server_flags"]]
+    lines = [f"`{KINDS['bench_soak']}`: {r['requests']} requests of mixed length and sampling settings, "
+             f"{r['cancelled']} cancelled mid-stream, then SIGTERM with {r['drain_in_flight']} in flight; "
+             f"{data.get('model')}.", ""]
+    lines += bash_block([shell_line(words + ["--out", page.shown(rel)])])
+    lines += ["", machine_line(rel, data.get("machine")), ""]
+    lines += table(["check", "result"], [[name, "pass" if ok else "FAIL"] for name, ok in r["checks"].items()])
+    lines += ["", f"Errors {len(r['errors'])}; RSS {num(r['rss_at_100_mb'], 0)} MB after request 100, "
+                  f"{num(r['rss_at_end_mb'], 0)} MB at the end; {r['drained']} of {r['drain_in_flight']} requests "
+                  f"in flight finished after SIGTERM, exit code {r['exit_code']}; {num(r['seconds'], 0)} s in all."]
+    return lines

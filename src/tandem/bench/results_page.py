@@ -29,6 +29,7 @@ KINDS = {
     "bench_burst": "tandem bench burst",
     "bench_agent": "tandem bench agent",
     "guidellm": "scripts/guidellm_bench.sh",
+    "bench_soak": "tandem bench soak",
 }
 
 # Reports written before a machine was recorded in them: what the notes of those runs said about it.
@@ -115,6 +116,8 @@ def kind_of(data: Any) -> str:
         return "bench_agent"
     if data.get("tool") == "guidellm" and isinstance(data.get("levels"), list):
         return "guidellm"
+    if isinstance(data.get("soak"), dict):
+        return "bench_soak"
     return "unknown"
 
 
