@@ -144,10 +144,10 @@ def memory_summary(loaded, engine: Engine) -> str:
             f"{cache.tokens_held * cache.bytes_per_token / 1e6:.0f} MB now); process RSS {resident_bytes() / 1e6:.0f} MB")
 
 
-def resident_bytes() -> int:
-    """This process's resident memory (VmRSS), 0 where /proc is missing."""
+def resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (VmRSS; this one by default), 0 where /proc does not say."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024

@@ -14,8 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tandem.bench.burst import launch_with_flags
-from tandem.bench.serve import stop_server
+from tandem.bench.server_process import start_with_flags, stop_server, write_report
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -82,7 +81,7 @@ def bench_agent(args) -> dict:
     runs = {}
     for label, flags in (("cache on", args.server_flags), ("cache off", f"{args.server_flags} --no-enable-prefix-caching")):
         print(f"starting `tandem serve {flags.strip()}` ...", flush=True)
-        proc, url = launch_with_flags(flags, args.model, Path(args.out).parent / f"server-agent-{label[-3:].strip()}.log")
+        proc, url = start_with_flags(flags, args.model, Path(args.out).parent / f"server-agent-{label[-3:].strip()}.log")
         try:
             converse(url, args.model, 1, 200, 4)  # warm-up, off the clock
             turns = converse(url, args.model, args.turns, args.tool_chars, args.max_tokens)
@@ -94,10 +93,7 @@ def bench_agent(args) -> dict:
     report = {"model": args.model, "turns": args.turns, "tool_chars": args.tool_chars, "max_tokens": args.max_tokens,
               "server_flags": args.server_flags, "machine": machine_info(), "runs": runs}
     print_table(report)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

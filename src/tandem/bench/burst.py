@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shlex
-import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tandem.bench.prompts import load_prompt_file
-from tandem.bench.serve import _free_port, stop_server
+from tandem.bench.server_process import resident_mb, start_with_flags, stop_server, write_report
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -124,39 +119,6 @@ def summarize(server: str, long: list[Stream], burst: list[Stream], start: float
     )
 
 
-def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def launch_with_flags(flags: str, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
-    import httpx  # lazy: only the benchmark's client needs it
-
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tandem.launch_server", "--model", model, "--port", str(port),
-           "--log-level", "warning", *shlex.split(flags)]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"`tandem serve {flags}` exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}/v1"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"`tandem serve {flags}` did not become healthy in 900 s; see {log_path}")
-
-
 def bench_burst(args) -> dict:
     if args.prompts_file:
         questions = [p.text for p in load_prompt_file(args.prompts_file, args.burst)]
@@ -171,15 +133,15 @@ def bench_burst(args) -> dict:
             url = target.rstrip("/")
         else:
             print(f"starting `tandem serve {target}` ...", flush=True)
-            proc, url = launch_with_flags(target, args.model, Path(args.out).parent / f"server-{len(results)}.log")
+            proc, url = start_with_flags(target, args.model, Path(args.out).parent / f"server-{len(results)}.log")
         try:
             asyncio.run(run_burst(url, args.model, ["Say hello."], 0, 0.0, 8))  # warm-up, off the clock
-            rss_start = _rss_mb(proc.pid) if proc else None
+            rss_start = resident_mb(proc.pid) if proc else None
             long, burst, start, end = asyncio.run(run_burst(url, args.model, prompts, args.running,
                                                             args.unloaded_seconds, args.max_tokens,
                                                             args.running_max_tokens))
             result = summarize(label, long, burst, start, end)
-            result.rss_start_mb, result.rss_end_mb = rss_start, _rss_mb(proc.pid) if proc else None
+            result.rss_start_mb, result.rss_end_mb = rss_start, resident_mb(proc.pid) if proc else None
             results.append(result)
         finally:
             if proc is not None:
@@ -187,10 +149,7 @@ def bench_burst(args) -> dict:
     report = {"model": args.model, "burst": args.burst, "running": args.running, "max_tokens": args.max_tokens,
               "machine": machine_info(), "results": [asdict(r) for r in results]}
     print_table(report)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

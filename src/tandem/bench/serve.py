@@ -15,10 +15,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tandem.bench.prompts import load_prompt_file, spread_prompts
+from tandem.bench.server_process import start_server, stop_server
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -275,52 +274,18 @@ def plot(report: dict, path: str) -> None:
 # ---- launching servers -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_server(mode: str, args, log_dir: Path) -> tuple[subprocess.Popen, str]:
-    """Start `python -m tandem.launch_server` for one mode and wait until /health answers."""
-    import httpx  # lazy: ~0.2 s to import; only the sweep's client needs it
-
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tandem.launch_server", "--model", args.model, "--port", str(port),
-           "--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len),
-           "--speculative-num-draft-tokens", str(args.num_draft_tokens), "--log-level", "warning"]
+    """Start the server of one mode and wait until /health answers."""
+    server_args = ["--max-running-requests", str(args.max_running_requests), "--max-model-len", str(args.max_model_len),
+                   "--speculative-num-draft-tokens", str(args.num_draft_tokens)]
     if args.algorithm:
-        cmd += ["--speculative-algorithm", args.algorithm]
+        server_args += ["--speculative-algorithm", args.algorithm]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
+        server_args += ["--threads", str(args.threads)]
     if args.reprofile and mode != "off":
-        cmd += ["--reprofile"]
-    cmd += mode_flags(mode)  # after --algorithm: a mode's own drafter wins
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"server-{mode}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {mode} server exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, f"{url}/v1"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the {mode} server did not become healthy in 900 s; see {log.name}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        server_args += ["--reprofile"]
+    server_args += mode_flags(mode)  # after --algorithm: a mode's own drafter wins
+    return start_server(args.model, server_args, log_dir / f"server-{mode}.log", mode)
 
 
 def bench_serve(args) -> dict:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tandem.bench.burst import QUESTIONS, _rss_mb, launch_with_flags
+from tandem.bench.burst import QUESTIONS
+from tandem.bench.server_process import resident_mb, start_with_flags
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -98,7 +99,7 @@ async def _soak(url: str, model: str, prompts: list[str], n: int, concurrency: i
             done += 1
             bar.update()
             if done == 100 and pid is not None:
-                report.rss_at_100_mb = _rss_mb(pid)
+                report.rss_at_100_mb = resident_mb(pid)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency + 4)) as http:
         await asyncio.gather(*(user(http) for _ in range(concurrency)))
@@ -152,12 +153,12 @@ def bench_soak(args) -> SoakReport:
     report = SoakReport(requests=0, cancelled=0)
     t0 = time.perf_counter()
     log_dir = Path(args.out).parent
-    proc, url = launch_with_flags(args.server_flags, args.model, log_dir / "server-soak.log")
+    proc, url = start_with_flags(args.server_flags, args.model, log_dir / "server-soak.log")
     try:
         asyncio.run(_soak(url, args.model, prompts, args.requests, args.concurrency, args.cancel_share, args.seed,
                           proc.pid, report))
         time.sleep(1.0)  # aborted requests leave at the engine's next step
-        report.rss_at_end_mb = _rss_mb(proc.pid)
+        report.rss_at_end_mb = resident_mb(proc.pid)
         metrics = httpx.get(f"{url.removesuffix('/v1')}/metrics").text
         report.running_after = _gauge(metrics, "tandem:num_requests_running")
         report.reserved_after = _gauge(metrics, "tandem:kv_cache_reserved_perc")
