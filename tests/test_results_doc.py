@@ -258,6 +258,12 @@ def test_unknown_and_broken_files_get_a_generic_section(results):
     assert "Could not be read as JSON (JSONDecodeError" in _section(text, "broken.json")
 
 
+def test_scratch_under_tmp_is_not_a_result(results):
+    (results / "tmp").mkdir()
+    (results / "tmp" / "full_report.json").write_text('{"benchmarks": []}')
+    assert "full_report" not in render(results, results / "README.md")
+
+
 def test_a_known_kind_with_a_broken_shape_falls_back(tmp_path):
     root = tmp_path / "results"
     root.mkdir()

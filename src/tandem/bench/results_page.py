@@ -20,6 +20,8 @@ from tandem.model.catalogue import DEFAULT_MODEL  # the catalogue imports no tor
 AUTO_WEIGHTS = ("native", "float32")
 
 # The report kinds this page knows: what each one's file looks like, and the command that writes it.
+SCRATCH = "tmp"
+
 KINDS = {
     "bench_spec": "tandem bench spec",
     "bench_spec_merged": "tandem bench spec-merge",
@@ -56,7 +58,9 @@ class Page:
         self.root = results_dir
         self.prefix = results_dir.resolve().name  # "results": commands name paths as run from the repository
         self.out_dir = out.resolve().parent
-        self.files = sorted(results_dir.rglob("*.json"), key=lambda p: p.relative_to(results_dir).as_posix())
+        # results/tmp/ holds scratch (full third-party reports, logs) that git ignores: not results.
+        self.files = sorted((p for p in results_dir.rglob("*.json") if p.relative_to(results_dir).parts[0] != SCRATCH),
+                            key=lambda p: p.relative_to(results_dir).as_posix())
         self.data: dict[str, Any] = {}
         self.errors: dict[str, str] = {}
         for path in self.files:
