@@ -61,8 +61,9 @@ class PrefixCache:
         len(prompt) - 1: the last prompt token is always computed, its logits give the first
         output token)."""
         best, best_len = None, 0
+        reusable = prompt[:-1]
         for row in self._rows.values():
-            n = common_prefix_len(row.tokens, prompt[:-1])
+            n = common_prefix_len(row.tokens, reusable)
             if n > best_len:
                 best, best_len = row, n
         return best, best_len
