@@ -42,6 +42,7 @@ from tandem.server.protocol import (
     ModelList,
     SamplingFields,
     Usage,
+    error_payload,
 )
 from tandem.types import SpecStats
 
@@ -60,8 +61,7 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code=None, headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_payload(message, type_, param, code), status_code=status, headers=headers)
 
 
 def _sse(payload) -> str:

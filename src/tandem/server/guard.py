@@ -15,12 +15,14 @@ from __future__ import annotations
 import hmac
 import json
 
+from tandem.server.protocol import error_payload
+
 OPEN_PATHS = frozenset({"/health"})
 DRAIN_FACTOR = 16
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+    return json.dumps(error_payload(message, type_, param, code)).encode()
 
 
 class RequestGuard:

@@ -223,3 +223,8 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def error_payload(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error body, as every error of the server carries it (ErrorResponse's shape)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
