@@ -107,7 +107,7 @@ class KVCache:
         self.max_len = max_len
         self.lengths = [0] * max_seqs
         self.last_start = [0] * max_seqs
-        self._touched = [0] * max_seqs  # the most slots a row has written since it was last emptied
+        self._written = [False] * max_seqs  # a row has pages to give back
         self._free = list(range(max_seqs - 1, -1, -1))
 
     @property
@@ -147,14 +147,14 @@ class KVCache:
 
     def _forget(self, seq: int) -> None:
         """Give the pages row `seq` wrote back to the OS (CPU only; a no-op for an unused row)."""
-        if not self._lazy or not self._touched[seq]:
+        if not self._lazy or not self._written[seq]:
             return
         L, S, Hkv, M, D = self.k.shape
         row = Hkv * M * D * self.k.element_size()  # one layer's [Hkv, M, D] block of this row
         for layer in range(L):
             for z in self._lazy:
                 z.forget((layer * S + seq) * row, row)
-        self._touched[seq] = 0
+        self._written[seq] = False
 
     def reserve(self, seq: int, num_new: int) -> int:
         """Claim the next `num_new` slots of `seq` for a forward; returns the first slot."""
@@ -163,7 +163,7 @@ class KVCache:
             raise CacheFullError(f"sequence needs {start + num_new} slots; max_model_len is {self.max_len}")
         self.last_start[seq] = start
         self.lengths[seq] = start + num_new
-        self._touched[seq] = max(self._touched[seq], start + num_new)
+        self._written[seq] = True
         return start
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
@@ -174,7 +174,7 @@ class KVCache:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
         self.slot_positions[dst, :length] = self.slot_positions[src, :length]
         self.lengths[dst] = self.last_start[dst] = length
-        self._touched[dst] = max(self._touched[dst], length)
+        self._written[dst] = True
 
     def truncate(self, seq: int, length: int) -> None:
         """Keep the first `length` slots of `seq` (drops rejected draft tokens)."""
