@@ -8,13 +8,21 @@ servers are launched here in turn with the same flags but the cache switch.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tandem.bench.server_process import start_with_flags, stop_server, write_report
+from tandem.bench.server_process import (
+    ServerError,
+    chat_events,
+    event_text,
+    start_with_flags,
+    stop_server,
+    write_report,
+)
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -37,29 +45,29 @@ def tool_outputs(turns: int, chars: int) -> list[str]:
 
 
 def converse(url: str, model: str, turns: int, tool_chars: int, max_tokens: int) -> list[Turn]:
+    return asyncio.run(_converse(url, model, turns, tool_chars, max_tokens))
+
+
+async def _converse(url: str, model: str, turns: int, tool_chars: int, max_tokens: int) -> list[Turn]:
     import httpx  # lazy: only the benchmark's client needs it
 
     messages = [{"role": "system", "content": SYSTEM}]
     out = []
-    with httpx.Client(timeout=httpx.Timeout(600.0)) as http:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as http:
         for i, tool in enumerate(tool_outputs(turns, tool_chars)):
             messages.append({"role": "user", "content": f"Tool output {i + 1}:\n{tool}\n\nWhat does it say, briefly?"})
-            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                     "stream_options": {"include_usage": True}}
             t0, ttft, text, usage = time.perf_counter(), None, "", {}
-            with http.stream("POST", f"{url}/chat/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"turn {i + 1}: HTTP {r.status_code}: {r.read().decode()[:300]}")
-                for line in r.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    for choice in event.get("choices", []):
-                        piece = choice["delta"].get("content") or ""
-                        if piece and ttft is None:
-                            ttft = time.perf_counter() - t0
-                        text += piece
+            try:
+                async for event in chat_events(http, url, body):
+                    piece = event_text(event)
+                    if piece and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text += piece
                     usage = event.get("usage") or usage
+            except ServerError as err:
+                raise RuntimeError(f"turn {i + 1}: {err}") from err
             out.append(Turn(i + 1, usage.get("prompt_tokens", 0), ttft or time.perf_counter() - t0, text))
             messages.append({"role": "assistant", "content": text})
     return out

@@ -18,7 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tandem.bench.prompts import load_prompt_file
-from tandem.bench.server_process import resident_mb, start_with_flags, stop_server, write_report
+from tandem.bench.server_process import (
+    chat_events,
+    event_text,
+    resident_mb,
+    start_with_flags,
+    stop_server,
+    write_report,
+)
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -59,15 +66,11 @@ class BurstResult:
 
 async def _stream(http, url: str, model: str, prompt: str, max_tokens: int, out: Stream) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+            "temperature": 0, "ignore_eos": True}
     try:
-        async with http.stream("POST", f"{url}/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                out.error = f"HTTP {r.status_code}"
-                return
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                    out.pieces.append(time.perf_counter())
+        async for event in chat_events(http, url, body):
+            if event_text(event):
+                out.pieces.append(time.perf_counter())
     except Exception as err:  # reported in the table, not a crashed benchmark
         out.error = repr(err)
 

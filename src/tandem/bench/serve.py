@@ -24,7 +24,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tandem.bench.prompts import load_prompt_file, spread_prompts
-from tandem.bench.server_process import start_server, stop_server
+from tandem.bench.server_process import (
+    ServerError,
+    chat_events,
+    event_text,
+    start_server,
+    stop_server,
+)
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -93,28 +99,23 @@ class LevelResult:
 
 async def _one_request(http, url: str, model: str, prompt: str, index: int, max_tokens: int) -> RequestResult:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, last, text, usage, spec = None, None, "", {}, {}
     try:
-        async with http.stream("POST", f"{url}/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                return RequestResult(index, 0.0, 0.0, 0, "", error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return RequestResult(index, 0.0, 0.0, 0, text, error=event["error"]["message"])
-                for choice in event.get("choices", []):
-                    piece = choice["delta"].get("content") or ""
-                    if piece:
-                        now = time.perf_counter()
-                        ttft = now - t0 if ttft is None else ttft
-                        last = now
-                        text += piece
-                usage = event.get("usage") or usage
-                spec = event.get("spec") or spec
+        async for event in chat_events(http, url, body):
+            if "error" in event:
+                return RequestResult(index, 0.0, 0.0, 0, text, error=event["error"]["message"])
+            piece = event_text(event)
+            if piece:
+                now = time.perf_counter()
+                ttft = now - t0 if ttft is None else ttft
+                last = now
+                text += piece
+            usage = event.get("usage") or usage
+            spec = event.get("spec") or spec
+    except ServerError as err:
+        return RequestResult(index, 0.0, 0.0, 0, "", error=str(err))
     except Exception as err:  # a failed request is reported in the table, not a crashed sweep
         return RequestResult(index, 0.0, 0.0, 0, text, error=repr(err))
     end = time.perf_counter()

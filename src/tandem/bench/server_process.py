@@ -1,5 +1,6 @@
-"""The benchmarks' `tandem serve` processes: start one on a free loopback port and wait for
-/health, stop it with SIGTERM, read its resident memory; and write a report as JSON."""
+"""The benchmarks' `tandem serve` processes and their client: start one on a free loopback port
+and wait for /health, stop it with SIGTERM, read its resident memory, stream a chat completion's
+events from it; and write a report as JSON."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from tandem.launch_server import resident_bytes
@@ -66,6 +68,28 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def resident_mb(pid: int) -> float | None:
     return resident_bytes(pid) / 2**20 or None
+
+
+class ServerError(Exception):
+    """The server answered a request with an error status."""
+
+
+async def chat_events(http, url: str, body: dict) -> AsyncIterator[dict]:
+    """POST a streamed chat completion to `url` (ending in /v1) with `http` (an httpx.AsyncClient);
+    yields each server-sent event's JSON as it arrives ([DONE] ends it). Close the iterator
+    (contextlib.aclosing) to leave a stream early: that closes the connection, which the server
+    takes as a cancellation."""
+    async with http.stream("POST", f"{url}/chat/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise ServerError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
+
+
+def event_text(event: dict) -> str:
+    """The text a chat-completion chunk adds (its choices' delta contents)."""
+    return "".join(c.get("delta", {}).get("content") or "" for c in event.get("choices", []))
 
 
 def write_report(report: dict, out: str) -> None:

@@ -15,13 +15,19 @@ import random
 import re
 import signal
 import time
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from tandem.bench.burst import QUESTIONS
-from tandem.bench.server_process import resident_mb, start_with_flags
+from tandem.bench.server_process import (
+    ServerError,
+    chat_events,
+    resident_mb,
+    start_with_flags,
+)
 from tandem.bench.spec import machine_info
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -58,19 +64,16 @@ def _settings(rng: random.Random) -> dict:
 
 async def _request(http, url: str, model: str, prompt: str, body: dict, cancel_after: int | None) -> str | None:
     """One streamed chat request -> None, "cancelled", or an error message."""
-    payload = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True, **body}
+    payload = {"model": model, "messages": [{"role": "user", "content": prompt}], **body}
     try:
-        async with http.stream("POST", f"{url}/chat/completions", json=payload) as r:
-            if r.status_code != 200:
-                return f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with aclosing(chat_events(http, url, payload)) as events:
             pieces = 0
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"error"' in line:
-                    return line[:200]
-                if line.startswith("data: {"):
-                    pieces += 1
-                    if cancel_after is not None and pieces >= cancel_after:
-                        return "cancelled"  # leaving the block closes the connection mid-stream
+            async for event in events:
+                if "error" in event:
+                    return json.dumps(event)[:200]
+                pieces += 1
+                if cancel_after is not None and pieces >= cancel_after:
+                    return "cancelled"  # leaving the block closes the connection mid-stream
         return "cancelled" if cancel_after is not None else None
     except Exception as err:  # counted as an error in the report
         return repr(err)
@@ -122,19 +125,17 @@ async def _drain_on_sigterm(url: str, model: str, prompts: list[str], proc, in_f
 
     async def one(http, prompt):
         nonlocal first
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-                "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48,
+                "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
         seen_first, usage = False, {}
         try:
-            async with http.stream("POST", f"{url}/chat/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        if not seen_first:
-                            seen_first, first = True, first + 1
-                            if first == in_flight:
-                                started.set()
-                        usage = json.loads(line[6:]).get("usage") or usage
-        except httpx.HTTPError:
+            async for event in chat_events(http, url, body):
+                if not seen_first:
+                    seen_first, first = True, first + 1
+                    if first == in_flight:
+                        started.set()
+                usage = event.get("usage") or usage
+        except (httpx.HTTPError, ServerError):
             return False
         return usage.get("completion_tokens") == 48
 
