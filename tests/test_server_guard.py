@@ -78,7 +78,7 @@ def root(server) -> str:
     return server.url.removesuffix("/v1")
 
 
-def test_api_key_is_required_on_every_route_but_health(keyed_server):
+def test_api_key_is_required_on_every_route_but_health_and_the_page(keyed_server):
     good = openai.OpenAI(base_url=keyed_server.url, api_key=KEY, max_retries=0)
     r = good.completions.create(model=NAME, prompt="5 6 7", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
@@ -88,6 +88,8 @@ def test_api_key_is_required_on_every_route_but_health(keyed_server):
     assert err.value.body["code"] == "invalid_api_key"
     base = root(keyed_server)
     assert httpx.get(f"{base}/health").status_code == 200
+    page = httpx.get(f"{base}/")  # static; the requests it sends carry the key typed into it
+    assert page.status_code == 200 and "API key" in page.text
     for path in ("/v1/models", "/metrics", "/openapi.json"):
         r = httpx.get(f"{base}{path}")
         assert r.status_code == 401, path

@@ -47,6 +47,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Speculation for this request: at most this many draft tokens per round along a path (None:
+    # the engine's setting; 0: plain decoding). Output is the same either way; only speed moves.
+    max_draft_tokens: int | None = None
+    # Record which tokens the drafter wrote and the target kept (Request.origin_pieces): costs a
+    # detokenisation per token, so only requests that ask for it (the playground) pay.
+    token_origins: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0 (0: plain decoding), got {self.max_draft_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -206,7 +214,8 @@ class ServerConfig:
     before new ones get 503. drain_timeout_s: after SIGTERM, how long in-flight requests may
     finish before they are aborted. cost_profile: JSON file with the target's forward cost
     curve for the adaptive policy (None: the tandem cache, measured once per model/threads).
-    api_key: every route but /health then needs `Authorization: Bearer <api_key>` (None: open).
+    api_key: every route but /health and the playground page (/) then needs `Authorization:
+    Bearer <api_key>` (None: open).
     max_request_bytes: larger request bodies get 413 unread; 8 MiB is 64x the text of a
     32k-token prompt and still far from what could stall the server.
     """

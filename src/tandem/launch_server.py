@@ -71,7 +71,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="forward cost curve JSON for the adaptive policy (default: measured once, cached)")
     p.add_argument("--reprofile", action="store_true", help="measure the cost curve again")
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer <key>' on every route but /health and the playground page "
+                        f"/ (default: ${API_KEY_ENV})")
     p.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                    help="larger request bodies get 413 without being read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -234,6 +234,9 @@ class RequestOutput:
     finish_reason: str | None
     spec: SpecStats = field(default_factory=SpecStats)
     seconds: float = 0.0
+    # Who wrote each of token_ids (accepted, recovered, bonus or target), when
+    # SamplingParams.token_origins asked for it.
+    token_origins: list[str] | None = None
 
     @property
     def finished(self) -> bool:

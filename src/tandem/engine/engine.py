@@ -43,11 +43,15 @@ LOG_EVERY_S = 10.0
 
 @dataclass
 class StepUpdate:
-    """What one step did to one request: new tokens and text to stream, and whether it ended."""
+    """What one step did to one request: new tokens and text to stream, and whether it ended.
+    With params.token_origins also the new text cut by who wrote it (Request.origin_pieces) and
+    the round's counts (None for a prompt chunk that sampled nothing)."""
 
     request: Request
     new_token_ids: list[int]
     new_text: str
+    text_origins: list[tuple[str, str]] | None = None
+    round: RoundCounts | None = None
 
 
 class Engine:
@@ -308,7 +312,7 @@ class Engine:
         kept_rows = [0] + [node + 1 for node in path]
         self.cache.keep(req.seq, kept_rows)
         self._add_hidden(req, {layer: h[kept_rows] for layer, h in hidden.items()})
-        update, counted = self._commit(req, committed, RoundCounts.of(draft, len(path)))
+        update, counted = self._commit(req, committed, RoundCounts.of(draft, len(path)), round_origins(draft, path))
         if self.policy is not None:
             self.policy.observe(req.request_id, counted.depth, counted.accepted)
         return update, counted
@@ -346,10 +350,13 @@ class Engine:
 
     def _draft_budget(self, req: Request) -> int:
         """The most draft tokens this request may use this round (the policy picks within it):
-        the configured length, never past its max_tokens (the bonus token is free) or the
-        cache's end."""
+        the configured length or the request's own (params.max_draft_tokens), never past its
+        max_tokens (the bonus token is free) or the cache's end."""
         remaining = req.params.max_tokens - len(req.output_ids) - 1
-        return max(0, min(self.config.spec.max_draft_len, remaining, self._cache_room(req)))
+        longest = self.config.spec.max_draft_len
+        if req.params.max_draft_tokens is not None:
+            longest = min(longest, req.params.max_draft_tokens)
+        return max(0, min(longest, remaining, self._cache_room(req)))
 
     def _cache_room(self, req: Request) -> int:
         """How many draft tokens (tree nodes) fit in the cache after next_token."""
@@ -365,10 +372,12 @@ class Engine:
         `tandem audit` grades with: the audit checks exactly this."""
         return grading.grade_round(logits, draft, req.params, req.context, req.generator)
 
-    def _commit(self, req: Request, tokens: list[int], counts: "RoundCounts") -> tuple[StepUpdate, "RoundCounts"]:
+    def _commit(self, req: Request, tokens: list[int], counts: "RoundCounts",
+                origins: list[str] | None = None) -> tuple[StepUpdate, "RoundCounts"]:
         """Append the round's tokens (stop conditions apply inside the run) and record its
-        counts, clipped at a stop: what follows it was never used, so it is not counted."""
-        kept = req.append(tokens, self.tokenizer)
+        counts, clipped at a stop: what follows it was never used, so it is not counted.
+        origins: each token's TOKEN_ORIGINS entry (default: all the target's)."""
+        kept = req.append(tokens, self.tokenizer, origins)
         req.next_token = tokens[kept - 1] if kept else req.next_token
         if kept < len(tokens):
             counts = counts.clipped(kept)
@@ -377,7 +386,11 @@ class Engine:
         self.stats.record_round(counts.drafted, counts.accepted, kept, depth)
         if req not in self.running and not req.finished:
             self.running.append(req)
-        return StepUpdate(req, tokens[:kept], req.take_new_text()), counts
+        start = req.emitted_text_len
+        text = req.take_new_text()
+        if not req.params.token_origins:
+            return StepUpdate(req, tokens[:kept], text), counts
+        return StepUpdate(req, tokens[:kept], text, req.origin_pieces(start, start + len(text)), counts), counts
 
     def _fail(self, req: Request, err: Exception) -> StepUpdate:
         log.error("request %s ended: %s", req.request_id, err)
@@ -424,6 +437,17 @@ class Engine:
                 "rather than raising the number of draft tokens",
                 s.mean_acceptance_length, POOR_DRAFTER_TAU, self.config.spec.algorithm,
             )
+
+
+def round_origins(draft: Draft, path: list[int]) -> list[str]:
+    """Who wrote each token a round commits (the accepted draft nodes on `path`, then one of the
+    target's): its last token is a correction where the draft went on past the accepted path,
+    a bonus where it did not, and plain decoding where nothing was drafted."""
+    if not draft.token_ids:
+        return ["target"]
+    end = path[-1] if path else -1
+    drafted_past = len(path) < len(draft) if draft.parents is None else end in draft.parents
+    return ["accepted"] * len(path) + ["recovered" if drafted_past else "bonus"]
 
 
 @dataclass(frozen=True)

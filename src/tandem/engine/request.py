@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,11 @@ from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator
 from tandem.types import RequestOutput, SpecStats
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
+
+# Who wrote an output token (SamplingParams.token_origins): a draft token the target accepted; the
+# target's own token where it rejected a draft (recovered); its extra token after a draft it
+# accepted whole (bonus); or a round without a draft (target: plain decoding).
+TOKEN_ORIGINS = ("accepted", "recovered", "bonus", "target")
 
 
 class HiddenRows:
@@ -72,6 +78,10 @@ class Request:
     _read_offset: int = field(default=0, repr=False)
     _prefix_text: str = field(default="", repr=False)
     _full_decode: bool | None = field(default=None, repr=False)
+    # With params.token_origins: each output token's origin, and how long `text` was once it was
+    # appended (never less than for the token before), for `origin_pieces`.
+    token_origins: list[str] = field(default_factory=list)
+    _text_ends: list[int] = field(default_factory=list, repr=False)
 
     def generator_on(self, device: str | torch.device) -> torch.Generator:
         """The generator for draws on `device`: the request's own where it lives, else one made
@@ -93,15 +103,16 @@ class Request:
     def context(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def append(self, tokens: list[int], tokenizer) -> int:
-        """Append committed tokens one by one, applying stop conditions inside the run.
+    def append(self, tokens: list[int], tokenizer, origins: list[str] | None = None) -> int:
+        """Append committed tokens one by one, applying stop conditions inside the run; origins:
+        each token's TOKEN_ORIGINS entry (recorded when params.token_origins asks for it).
 
         Returns how many were kept: nothing after EOS, a stop token, a completed stop string or
         max_tokens is ever added.
         """
         kept = 0
         p = self.params
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             if self.finished:
                 break
             self.output_ids.append(tok)
@@ -114,9 +125,33 @@ class Request:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= p.max_tokens:
                 self.finish_reason = "length"
-        if kept and not p.stop:  # with stop strings `_hit_stop_string` has set the text already
+            if p.token_origins:
+                self._record_origin(tokenizer, origins[i] if origins else "target")
+        # With stop strings `_hit_stop_string` has set the text already, with origins `_record_origin`.
+        if kept and not p.stop and not p.token_origins:
             self.text = self._decode_output(tokenizer)
         return kept
+
+    def _record_origin(self, tokenizer, origin: str) -> None:
+        if not self.params.stop:
+            self.text = self._decode_output(tokenizer)
+        self.token_origins.append(origin)
+        self._text_ends.append(max(len(self.text), self._text_ends[-1] if self._text_ends else 0))
+
+    def origin_pieces(self, start: int, end: int) -> list[tuple[str, str]]:
+        """text[start:end] cut where the token that wrote it changes, as (piece, origin) pairs
+        whose pieces join to exactly that text. A character belongs to the first token after
+        which the text reached past it (a character spread over several byte tokens, to the
+        first of them)."""
+        pieces = []
+        token = bisect.bisect_right(self._text_ends, start)
+        pos = start
+        while pos < end and self.token_origins:
+            last = token >= len(self._text_ends)
+            stop = end if last else min(self._text_ends[token], end)
+            pieces.append((self.text[pos:stop], self.token_origins[-1 if last else token]))
+            pos, token = stop, token + 1
+        return pieces
 
     def _hit_stop_string(self, tokenizer) -> bool:
         text = self._decode_output(tokenizer)
@@ -180,6 +215,7 @@ class Request:
             finish_reason=self.finish_reason,
             spec=self.stats,
             seconds=time.perf_counter() - self.arrival,
+            token_origins=list(self.token_origins) if self.params.token_origins else None,
         )
 
 

@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,10 +40,14 @@ from tandem.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    Provenance,
+    RoundAcceptance,
     SamplingFields,
+    TokenPiece,
     Usage,
     error_payload,
 )
+from tandem.server.playground import playground_html
 from tandem.types import SpecStats
 
 log = logging.getLogger("tandem.server")
@@ -116,7 +120,8 @@ def longest_token_chars(tokenizer) -> int | None:
 
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
               max_request_bytes: int | None = ServerConfig.max_request_bytes) -> FastAPI:
-    """api_key: every route but /health then needs `Authorization: Bearer <api_key>`;
+    """api_key: every route but /health and the playground page (/) then needs `Authorization:
+    Bearer <api_key>`;
     max_request_bytes: larger bodies get 413 unread (None: no cap)."""
     ctx = ServingContext(engine, model_name)
 
@@ -180,9 +185,16 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
             raise APIError(503, "the engine is not running (shutting down)", "service_unavailable")
         return {"status": "ok"}
 
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return HTMLResponse(playground_html())
+
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=ctx.max_model_len)])
+        spec = engine.engine.config.spec
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=ctx.max_model_len,
+                                         speculative_algorithm=spec.algorithm,
+                                         speculative_num_draft_tokens=spec.max_draft_len if spec.algorithm else 0)])
 
     @app.get("/metrics")
     async def metrics():
@@ -257,6 +269,7 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                     temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p, min_p=body.min_p,
                     repetition_penalty=body.repetition_penalty, max_tokens=body.max_tokens or room,
                     seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
+                    max_draft_tokens=body.speculative_num_draft_tokens, token_origins=body.return_provenance,
                 ))
             except ValueError as err:
                 raise APIError(400, str(err)) from err
@@ -285,9 +298,11 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream_chat if chat else _stream_completion
-        return StreamingResponse(stream(ctx, gen, api_id, prompt_tokens, include_usage),
+        return StreamingResponse(stream(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    texts, outputs = await _drain(gen, request)
+    texts, outputs, provenance = await _drain(gen, request)
+    if not body.return_provenance:
+        provenance = {}
     if len(outputs) < len(gen.choices):  # the client went away and the generation was aborted
         return Response(status_code=499)
     if any(o.error for o in outputs.values()):
@@ -296,15 +311,17 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     usage, spec = _usage(prompt_tokens, outputs)
     model = ctx.model_name
     if chat:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=outputs[i].finish_reason)
-                   for i in sorted(texts)]
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=outputs[i].finish_reason,
+                              provenance=provenance.get(i)) for i in sorted(texts)]
         return ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
-    choices = [CompletionChoice(index=i, text=texts[i], finish_reason=outputs[i].finish_reason) for i in sorted(texts)]
+    choices = [CompletionChoice(index=i, text=texts[i], finish_reason=outputs[i].finish_reason,
+                                provenance=provenance.get(i)) for i in sorted(texts)]
     return CompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
 
 
-async def _drain(gen: Generation, request: Request) -> tuple[dict[int, str], dict[int, Delta]]:
-    """Collect every delta; abort the generation if the client goes away first."""
+async def _drain(gen: Generation, request: Request) -> tuple[dict[int, str], dict[int, Delta], dict[int, Provenance]]:
+    """Collect every delta (text, final delta and provenance per choice); abort the generation
+    if the client goes away first."""
 
     async def watch():
         while True:
@@ -316,15 +333,26 @@ async def _drain(gen: Generation, request: Request) -> tuple[dict[int, str], dic
     watcher = asyncio.create_task(watch())
     texts: dict[int, str] = {i: "" for i in range(len(gen.choices))}
     finals: dict[int, Delta] = {}
+    provenance = {i: Provenance(pieces=[], rounds=[]) for i in range(len(gen.choices))}
     try:
         async for index, delta in gen:
             texts[index] += delta.text
+            new = _provenance(delta)
+            provenance[index].pieces += new.pieces
+            provenance[index].rounds += new.rounds
             if delta.finish_reason is not None:
                 finals[index] = delta
     finally:
         watcher.cancel()
         gen.abort()  # no-op when every choice finished
-    return texts, finals
+    return texts, finals, provenance
+
+
+def _provenance(delta: Delta) -> Provenance:
+    """A delta's text cut by who wrote it, and the round that produced it (if one ran)."""
+    pieces = [TokenPiece(text=text, origin=origin) for text, origin in delta.text_origins or ()]
+    rounds = [RoundAcceptance(depth=delta.round.depth, accepted=delta.round.accepted)] if delta.round else []
+    return Provenance(pieces=pieces, rounds=rounds)
 
 
 def _usage(prompt_tokens: int, finals: dict[int, Delta]) -> tuple[Usage, dict]:
@@ -341,7 +369,8 @@ def _error_event(delta: Delta) -> str:
     return _sse(json.dumps({"error": {"message": delta.error, "type": "internal_error", "param": None, "code": None}}))
 
 
-async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool,
+                             provenance: bool) -> AsyncIterator[str]:
     finals: dict[int, Delta] = {}
     try:
         async for index, delta in gen:
@@ -349,8 +378,9 @@ async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: i
                 yield _error_event(delta)
             if delta.finish_reason is not None:
                 finals[index] = delta
-            if delta.text or delta.finish_reason is not None:
-                choice = CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason)
+            if delta.text or delta.finish_reason is not None or (provenance and delta.round):
+                choice = CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason,
+                                          provenance=_provenance(delta) if provenance else None)
                 yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[choice]))
         if include_usage:
             usage, spec = _usage(prompt_tokens, finals)
@@ -360,7 +390,8 @@ async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: i
         gen.abort()  # the client went away mid-stream (or we finished: then a no-op)
 
 
-async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool,
+                       provenance: bool) -> AsyncIterator[str]:
     finals: dict[int, Delta] = {}
 
     def chunk(choices, **kw):
@@ -372,8 +403,9 @@ async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, in
         async for index, delta in gen:
             if delta.error:
                 yield _error_event(delta)
-            if delta.text:
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text))])
+            if delta.text or (provenance and delta.round):
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
+                                             provenance=_provenance(delta) if provenance else None)])
             if delta.finish_reason is not None:
                 finals[index] = delta
                 yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=delta.finish_reason)])

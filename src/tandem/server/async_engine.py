@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from tandem.config import SamplingParams
-from tandem.engine.engine import Engine, StepUpdate
+from tandem.engine.engine import Engine, RoundCounts, StepUpdate
 from tandem.server.metrics import ServerMetrics
 from tandem.types import RequestOutput
 
@@ -38,13 +38,16 @@ class EngineStoppedError(RuntimeError):
 @dataclass
 class Delta:
     """New output of one choice: text and tokens since the last delta; the final one carries the
-    finish reason and the whole RequestOutput (usage, spec stats)."""
+    finish reason and the whole RequestOutput (usage, spec stats). Where the request asked for
+    token origins: the text cut by who wrote it and the round that ran (StepUpdate's)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     output: RequestOutput | None = None
     error: str | None = None
+    text_origins: list[tuple[str, str]] | None = None
+    round: RoundCounts | None = None
 
 
 @dataclass
@@ -238,7 +241,8 @@ class AsyncEngine:
             if target is None:
                 continue
             reason = u.request.finish_reason
-            delta = Delta(u.new_text, u.new_token_ids, reason, u.request.output() if reason else None)
+            delta = Delta(u.new_text, u.new_token_ids, reason, u.request.output() if reason else None,
+                          text_origins=u.text_origins, round=u.round)
             if reason == "error":
                 delta.error = "the model produced NaN or inf logits for this request; it was ended"
             if reason:

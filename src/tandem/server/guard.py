@@ -1,8 +1,9 @@
 """What stands in front of the routes: the API key and the cap on a request body's size, as one
 ASGI middleware, so a refused request never reaches JSON parsing, tokenization or the engine.
 
-- `api_key`: every path but /health needs `Authorization: Bearer <key>` (vLLM's and SGLang's
-  `--api-key`); a missing or wrong key gets 401.
+- `api_key`: every path but /health and the playground page (/) needs `Authorization: Bearer
+  <key>` (vLLM's and SGLang's `--api-key`); a missing or wrong key gets 401. The page holds no
+  data: the requests it sends carry the key the user types into it.
 - `max_body_bytes`: a body declared (Content-Length) or found (chunked) larger gets 413 without
   being parsed or kept. What the client still sends is read and dropped first (up to
   DRAIN_FACTOR x the cap), so a client that reads only after sending gets the 413, not a reset.
@@ -17,7 +18,7 @@ import json
 
 from tandem.server.protocol import error_payload
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})  # the playground page holds no data; its requests send the key
 DRAIN_FACTOR = 16
 
 

@@ -2,7 +2,9 @@
 pydantic models. Constraints live on the fields, so bad values are rejected before they reach
 the engine and the OpenAPI schema at /openapi.json states them. `top_k`, `min_p`,
 `repetition_penalty` and `ignore_eos` are vLLM-style extensions; `spec` on responses carries
-the request's speculation stats.
+the request's speculation stats. `speculative_num_draft_tokens` caps one request's drafts, and
+`return_provenance` adds `provenance` to its choices: the text cut by who wrote it (the drafter or
+the target) and each round's acceptance; without it no choice carries the field.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from tandem.config import GREEDY_TEMPERATURE
 
@@ -58,6 +60,12 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: generate max_tokens even past EOS")
     user: str | None = None
+    speculative_num_draft_tokens: int | None = Field(
+        None, ge=0, description="extension: at most this many draft tokens per round for this request "
+                                "(0: plain decoding); the server's --speculative-num-draft-tokens caps it")
+    return_provenance: bool = Field(
+        False, description="extension: each choice carries `provenance`, its text cut by who wrote it and the "
+                           "acceptance of each speculative round")
 
     @field_validator("stop")
     @classmethod
@@ -140,7 +148,48 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class TokenPiece(BaseModel):
+    """Text one output token wrote, and who wrote it: `accepted` (the drafter's token, kept by
+    the target), `recovered` (the target's token where it rejected a draft), `bonus` (the
+    target's extra token after a draft it kept whole) or `target` (a round without a draft)."""
+
+    text: str
+    origin: Literal["accepted", "recovered", "bonus", "target"]
+
+
+class RoundAcceptance(BaseModel):
+    """One target forward: draft positions it graded (a chain's length, a tree's depth) and how
+    many draft tokens it accepted. A prompt's forward grades none."""
+
+    depth: int
+    accepted: int
+
+
+class Provenance(BaseModel):
+    """Who wrote a choice's text (its pieces join to exactly the text or delta they come with)
+    and the rounds that produced it. Text held back for stop strings or an unfinished UTF-8
+    character arrives later with its own tokens' origins; a round arrives with the step that
+    ran it."""
+
+    pieces: list[TokenPiece]
+    rounds: list[RoundAcceptance]
+
+
+class ProvenanceChoice(BaseModel):
+    """A choice that carries `provenance` only when the request asked for it (return_provenance):
+    otherwise the field is left out, so the OpenAI schema is unchanged."""
+
+    provenance: Provenance | None = Field(None, description="extension: see return_provenance")
+
+    @model_serializer(mode="wrap")
+    def _without_absent_provenance(self, handler):
+        data = handler(self)
+        if data.get("provenance") is None:
+            data.pop("provenance", None)
+        return data
+
+
+class CompletionChoice(ProvenanceChoice):
     index: int
     text: str
     finish_reason: str | None = None
@@ -162,7 +211,7 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(ProvenanceChoice):
     index: int
     message: AssistantMessage
     finish_reason: str | None = None
@@ -184,7 +233,7 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(ProvenanceChoice):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
@@ -207,6 +256,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
     max_model_len: int
+    speculative_algorithm: str | None = Field(None, description="extension: the drafter (None: plain decoding)")
+    speculative_num_draft_tokens: int = Field(0, description="extension: the most draft tokens per round")
 
 
 class ModelList(BaseModel):
