@@ -10,7 +10,7 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch first, pinned: this version is served from local disk as a CPU build.
 .venv/bin/python -m pip install --quiet torch==2.13.0
-.venv/bin/python -m pip install --quiet -e '.[test]'
+.venv/bin/python -m pip install --quiet -e '.[test,ray]'  # ray: tandem serve --replicas (Ray Serve)
 # The playground's browser test drives Debian's Chromium through its ChromeDriver (browser
 # downloads are blocked on these machines, so not selenium's or playwright's own).
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then

@@ -124,6 +124,24 @@ def _serve_report():
     }
 
 
+def _replicas_report():
+    def level(c, tps, speedup):
+        return {"mode": "x", "concurrency": c, "num_requests": 4, "wall_seconds": 7.0, "throughput": tps,
+                "per_user_tps": tps / c, "ttft_p50_ms": 250.0, "ttft_p95_ms": 400.0, "itl_ms": 10.0,
+                "acceptance_rate": 0.3, "tau": 1.4, "errors": 0, "speedup": speedup, "per_user_speedup": None}
+    servers = ["--replicas 1 --threads 2", "--replicas 2 --threads 1"]
+    return {
+        "bench": "replicas", "model": "smollm2-135m-instruct", "servers": servers, "concurrency": [1, 8],
+        "requests_per_user": 2, "max_tokens": 128, "num_prompts": 80,
+        "levels": {servers[0]: {"1": level(1, 100.0, 1.0), "8": level(8, 200.0, 1.0)},
+                   servers[1]: {"1": level(1, 90.0, 0.9), "8": level(8, 250.0, 1.25)}},
+        "identity": {servers[0]: {"compared": 20, "mismatches": 0}, servers[1]: {"compared": 20, "mismatches": 0}},
+        "load_before": {servers[0]: [0.1, 0.2, 0.3], servers[1]: [1.0, 0.5, 0.3]},
+        "machine": {"cpu": "Test CPU 9000", "cores": 2, "torch_threads": None, "torch": "2.13.0+cpu",
+                    "kernels": "tandem avx2", "isa": ["avx2"], "date": "2026-12-02 12:00 UTC"},
+    }
+
+
 @pytest.fixture
 def results(tmp_path):
     root = tmp_path / "results"
@@ -165,6 +183,7 @@ def test_kinds():
     assert kind_of(_base_report()) == "bench_base"
     assert kind_of(_advise_report()) == "advise"
     assert kind_of(_serve_report()) == "bench_serve"
+    assert kind_of(_replicas_report()) == "bench_replicas"
     assert kind_of({"a": 1}) == kind_of([1]) == kind_of(3) == "unknown"
 
 
@@ -247,6 +266,19 @@ def test_advise_and_serve_tables(results):
     assert "adaptive 68/68, fixed 67/68" in serve
     # No machine recorded and not in the notes table: said so, and marked as the previous kernels.
     assert "not recorded in the file" in serve and "previous kernels" in serve
+
+
+def test_bench_replicas_table(tmp_path):
+    root = tmp_path / "results" / "serve"
+    root.mkdir(parents=True)
+    (root / "bench_ray.json").write_text(json.dumps(_replicas_report()))
+    text = render(root.parent)
+    assert ("tandem bench replicas --server-flags '--replicas 1 --threads 2' '--replicas 2 --threads 1' "
+            "--concurrency 1 8 --requests-per-user 2 --num-prompts 80 --max-tokens 128 "
+            "--out results/serve/bench_ray.json") in text
+    assert "Test CPU 9000, 2 cores, torch 2.13.0+cpu" in text
+    assert "| `--replicas 2 --threads 1` | 8 | 250.0 | 1.25x | 31.2 | 0.25 | 1.40 | 0 |" in text
+    assert "`--replicas 2 --threads 1` 20/20" in text and "`--replicas 2 --threads 1` 1.00 / 0.50 / 0.30" in text
 
 
 def test_unknown_and_broken_files_get_a_generic_section(results):

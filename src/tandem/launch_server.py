@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -76,6 +77,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                    help="larger request bodies get 413 without being read")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    replicas = p.add_argument_group("replicas on Ray Serve (an optional extra: pip install 'tandem[ray]'; "
+                                    "docs/serving.md)")
+    replicas.add_argument("--replicas", type=int, default=None,
+                          help="serve N engines behind Ray Serve's route (the starting count when autoscaling); "
+                               "their --threads default to cores / replicas")
+    replicas.add_argument("--min-replicas", type=int, default=None,
+                          help="autoscale on Ray Serve from this many replicas")
+    replicas.add_argument("--max-replicas", type=int, default=None, help="... up to this many")
+    replicas.add_argument("--ray-address", default=None,
+                          help="the Ray cluster to serve on ('auto': the one `ray start` joined this machine to; "
+                               "default: start a Ray here)")
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -112,8 +124,10 @@ def server_threads(requested: int | None) -> int:
     return max(1, cores - 1)
 
 
-def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
-    """Load everything the server needs and return the FastAPI app (engine thread not started)."""
+def build_server_app(engine_config: EngineConfig, server_config: ServerConfig,
+                     metrics: Callable[[str], ServerMetrics] = ServerMetrics):
+    """Load everything the server needs and return the FastAPI app (engine thread not started;
+    `app.state.async_engine` is its engine). metrics: builds the metrics from the served name."""
     threads = configure_threads(server_threads(engine_config.threads))
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, quantization=engine_config.quantization,
                         device=engine_config.device, kv_cache_dtype=engine_config.kv_cache_dtype)
@@ -127,9 +141,10 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig):
     # As in LLM: keep the cyclic GC from rescanning the loaded model mid-decoding.
     gc.freeze()
     name = server_config.served_model_name or engine_config.model
-    async_engine = AsyncEngine(engine, server_config.max_queued_requests, ServerMetrics(name))
+    async_engine = AsyncEngine(engine, server_config.max_queued_requests, metrics(name))
     app = build_app(async_engine, name, api_key=server_config.api_key,
                     max_request_bytes=server_config.max_request_bytes)
+    app.state.async_engine = async_engine
     app.state.memory_summary = memory_summary(loaded, engine)
     return app
 
@@ -178,8 +193,20 @@ def run_uvicorn(app, host: str, port: int, drain_timeout_s: float, log_level: st
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if uses_ray(args):
+        try:
+            from tandem.server.ray_serve import serve_replicas  # lazy: Ray is an optional extra
+        except ImportError as err:
+            raise ValueError("replicas run on Ray Serve, an optional extra: "
+                             f"pip install 'tandem[ray]' ({err})") from err
+        return serve_replicas(args)
     engine_config, server_config = configs_from_args(args)
     return serve(engine_config, server_config, args.log_level)
+
+
+def uses_ray(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for replicas on Ray Serve rather than one in-process server."""
+    return any(flag is not None for flag in (args.replicas, args.min_replicas, args.max_replicas, args.ray_address))
 
 
 @dataclass

@@ -7,6 +7,7 @@ import argparse
 from tandem.bench.agent import add_agent_bench_parser
 from tandem.bench.base import bench_base
 from tandem.bench.burst import add_burst_bench_parser
+from tandem.bench.replicas import add_replicas_bench_parser
 from tandem.bench.results_doc import results_command
 from tandem.bench.serve import add_serve_bench_parser
 from tandem.bench.soak import add_soak_bench_parser
@@ -28,6 +29,7 @@ def add_bench_parser(sub) -> None:
     add_burst_bench_parser(kinds)
     add_agent_bench_parser(kinds)
     add_soak_bench_parser(kinds)
+    add_replicas_bench_parser(kinds)
 
 
 def _add_base_parser(kinds) -> None:

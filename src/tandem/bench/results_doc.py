@@ -24,7 +24,7 @@ from typing import Any, Callable
 from tandem.bench.results_advise import advise_section
 from tandem.bench.results_base import base_section
 from tandem.bench.results_format import cell, slug, table
-from tandem.bench.results_load import agent_section, burst_section, guidellm_section, soak_section
+from tandem.bench.results_load import agent_section, burst_section, guidellm_section, replicas_section, soak_section
 from tandem.bench.results_page import KINDS, Page, kind_of, machine_line
 from tandem.bench.results_serve import serve_section
 from tandem.bench.results_spec import spec_section
@@ -62,6 +62,7 @@ SECTIONS: dict[str, Callable[[Page, str, Any], list[str]]] = {
     "bench_agent": agent_section,
     "guidellm": guidellm_section,
     "bench_soak": soak_section,
+    "bench_replicas": replicas_section,
     "unknown": generic_section,
 }
 

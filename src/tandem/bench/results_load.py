@@ -1,5 +1,6 @@
 """The results page's sections for `tandem bench burst` (a burst of simultaneous requests against
-servers with different flags) and `tandem bench agent` (an agent loop, prefix cache on and off)."""
+servers with different flags), `tandem bench agent` (an agent loop, prefix cache on and off),
+guidellm, `tandem bench soak` and `tandem bench replicas` (replica layouts on Ray Serve)."""
 
 from __future__ import annotations
 
@@ -74,4 +75,31 @@ def soak_section(page: Page, rel: str, data: dict) -> list[str]:
     lines += ["", f"Errors {len(r['errors'])}; RSS {num(r['rss_at_100_mb'], 0)} MB after request 100, "
                   f"{num(r['rss_at_end_mb'], 0)} MB at the end; {r['drained']} of {r['drain_in_flight']} requests "
                   f"in flight finished after SIGTERM, exit code {r['exit_code']}; {num(r['seconds'], 0)} s in all."]
+    return lines
+
+
+def replicas_section(page: Page, rel: str, data: dict) -> list[str]:
+    servers = data["servers"]
+    words = ["tandem", "bench", "replicas", *model_flags(data), "--server-flags", *servers,
+             "--concurrency", *[str(c) for c in data.get("concurrency") or []],
+             "--requests-per-user", str(data.get("requests_per_user")), "--num-prompts", str(data.get("num_prompts")),
+             "--max-tokens", str(data.get("max_tokens")), "--out", page.shown(rel)]
+    lines = [f"`{KINDS['bench_replicas']}`: `tandem serve` with each flag string in turn, one server at a time; "
+             f"greedy streamed chat requests of up to {data.get('max_tokens')} tokens, {data.get('num_prompts')} "
+             f"Spec-Bench prompts; {data.get('model')}, its default drafter.", ""]
+    lines += bash_block([shell_line(words)])
+    lines += ["", machine_line(rel, data.get("machine")), ""]
+    rows = []
+    for flags in servers:
+        for level, r in data["levels"][flags].items():
+            rows.append([f"`{flags}`", level, num(r["throughput"], 1), times(r.get("speedup")),
+                         num(r["per_user_tps"], 1), num(r["ttft_p50_ms"] / 1000, 2), num(r["tau"]), r["errors"]])
+    lines += table(["server flags", "users", "tok/s", "x first", "user tok/s", "TTFT p50 s", "tau", "errors"], rows)
+    identity = data.get("identity") or {}
+    load = data.get("load_before") or {}
+    lines += ["", "Same answers as the first server (greedy): " + ", ".join(
+        f"`{flags}` {v['compared'] - v['mismatches']}/{v['compared']}" for flags, v in identity.items()) + "."]
+    if load:
+        lines += ["", "Load average (1, 5, 15 min) as each server started: " + "; ".join(
+            f"`{flags}` {' / '.join(num(x) for x in avg)}" for flags, avg in load.items()) + "."]
     return lines

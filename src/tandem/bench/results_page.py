@@ -32,6 +32,7 @@ KINDS = {
     "bench_agent": "tandem bench agent",
     "guidellm": "scripts/guidellm_bench.sh",
     "bench_soak": "tandem bench soak",
+    "bench_replicas": "tandem bench replicas",
 }
 
 # Reports written before a machine was recorded in them: what the notes of those runs said about it.
@@ -122,6 +123,8 @@ def kind_of(data: Any) -> str:
         return "guidellm"
     if isinstance(data.get("soak"), dict):
         return "bench_soak"
+    if data.get("bench") == "replicas" and isinstance(data.get("levels"), dict):
+        return "bench_replicas"
     return "unknown"
 
 
