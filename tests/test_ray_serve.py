@@ -128,7 +128,7 @@ def ray_server(tiny_model_dir, tmp_path_factory):
     plan = replica_plan(args.replicas, None, None, args.threads, cores=2)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     try:
-        deployment = deploy(engine_config, server_config, plan)
+        deployment = deploy(build_server_app, engine_config, server_config, plan)
         assert profile.is_file()  # measured by the driver, before any replica started
         yield deployment.url, args
     finally:

@@ -193,14 +193,14 @@ def run_uvicorn(app, host: str, port: int, drain_timeout_s: float, log_level: st
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    engine_config, server_config = configs_from_args(args)
     if uses_ray(args):
         try:
             from tandem.server.ray_serve import serve_replicas  # lazy: Ray is an optional extra
         except ImportError as err:
             raise ValueError("replicas run on Ray Serve, an optional extra: "
                              f"pip install 'tandem[ray]' ({err})") from err
-        return serve_replicas(args)
-    engine_config, server_config = configs_from_args(args)
+        return serve_replicas(args, engine_config, server_config, build_server_app)
     return serve(engine_config, server_config, args.log_level)
 
 

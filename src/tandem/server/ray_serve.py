@@ -1,6 +1,7 @@
 """`tandem serve --replicas N`: tandem engines as Ray Serve replicas behind one OpenAI route.
 
-Every replica builds the app `tandem serve` builds (launch_server.build_server_app: the same
+Every replica builds the app `tandem serve` builds (the builder the caller passes in,
+launch_server.build_server_app, so this module never imports the launcher that imports it: the same
 routes, error bodies, guard and engine thread; the app's own lifespan starts the engine, and Ray
 Serve runs that lifespan on the replica's event loop) from the same flags. Ray Serve provides the
 HTTP proxy and route, health checks (`TandemReplica.check_health`: the engine thread runs),
@@ -37,8 +38,10 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import ray
 from prometheus_client.exposition import generate_latest
@@ -51,7 +54,6 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from tandem.config import EngineConfig, ServerConfig
-from tandem.launch_server import build_server_app, configs_from_args
 from tandem.llm import configure_threads
 from tandem.model.loader import load_model, return_freed_memory
 from tandem.scheduler.profile import cost_curve_for, default_profile_path
@@ -64,6 +66,9 @@ REPLICA_HEADER = "X-Tandem-Replica"
 METRICS_SHARE_S = 1.0
 # A replica whose text is older than this is gone (killed, scaled down): its series leave /metrics.
 METRICS_TTL_S = 10.0
+# How a replica builds `tandem serve`'s app: launch_server.build_server_app(engine_config,
+# server_config, metrics=...).
+AppBuilder = Callable[..., Any]
 
 
 # ---- the plan: how many replicas, what each gets ---------------------------------------------
@@ -271,7 +276,7 @@ class TandemReplica:
     loads the model (the cost curve from the driver's JSON, never measured here); Ray Serve then
     runs the app's lifespan, which starts the engine thread on this replica's event loop."""
 
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, board,
+    def __init__(self, build_app: AppBuilder, engine_config: EngineConfig, server_config: ServerConfig, board,
                  cost_profile_json: str | None) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.board = board
@@ -281,8 +286,8 @@ class TandemReplica:
                 path.write_text(cost_profile_json)
                 server_config = replace(server_config, cost_profile=str(path), reprofile=False)
             # (`app` is Ray's: its ASGI wrapper serves what __serve_build_asgi_app__ returns under that name)
-            self.tandem_app = build_server_app(engine_config, server_config,
-                                               metrics=functools.partial(ReplicaMetrics, replica=self.replica))
+            self.tandem_app = build_app(engine_config, server_config,
+                                        metrics=functools.partial(ReplicaMetrics, replica=self.replica))
         self.engine = self.tandem_app.state.async_engine
         self.tandem_app.add_middleware(ReplicaHeader, replica=self.replica)
         # Held here: the event loop keeps only a weak reference to a task.
@@ -318,9 +323,11 @@ class RayDeployment:
     board: ray.actor.ActorHandle
 
 
-def deploy(engine_config: EngineConfig, server_config: ServerConfig, plan: ReplicaPlan) -> RayDeployment:
+def deploy(build_app: AppBuilder, engine_config: EngineConfig, server_config: ServerConfig,
+           plan: ReplicaPlan) -> RayDeployment:
     """On the Ray this process is connected to: measure or load the cost curve once, start Ray
-    Serve's proxy on --host/--port, deploy the replicas and return once they all serve."""
+    Serve's proxy on --host/--port, deploy the replicas (each builds its app with `build_app`,
+    which Ray sends them by reference) and return once they all serve."""
     if server_config.port == 0:
         raise ValueError("Ray Serve's proxy needs a fixed --port")
     engine_config = replace(engine_config, threads=plan.threads)
@@ -328,7 +335,7 @@ def deploy(engine_config: EngineConfig, server_config: ServerConfig, plan: Repli
     serve.start(http_options={"host": server_config.host, "port": server_config.port})
     board = MetricsBoard.remote()
     app = TandemReplica.options(**plan.deployment_options(engine_config, server_config)).bind(
-        engine_config, server_config, board, cost_profile_json)
+        build_app, engine_config, server_config, board, cost_profile_json)
     serve.run(app, name=APP_NAME, route_prefix="/")
     return RayDeployment(f"http://{server_config.host}:{server_config.port}/v1", board)
 
@@ -342,11 +349,11 @@ def wait_for_stop_signal() -> None:
         pass
 
 
-def serve_replicas(args: argparse.Namespace) -> int:
-    """`tandem serve --replicas N` (or --min/--max-replicas, --ray-address): join the Ray cluster
-    at --ray-address, or start a Ray on this machine, serve until SIGINT/SIGTERM, then stop the
-    application (and the Ray this started)."""
-    engine_config, server_config = configs_from_args(args)
+def serve_replicas(args: argparse.Namespace, engine_config: EngineConfig, server_config: ServerConfig,
+                   build_app: AppBuilder) -> int:
+    """`tandem serve --replicas N` (or --min/--max-replicas, --ray-address), with the configs its
+    flags give: join the Ray cluster at --ray-address, or start a Ray on this machine, serve until
+    SIGINT/SIGTERM, then stop the application (and the Ray this started)."""
     plan = replica_plan(args.replicas, args.min_replicas, args.max_replicas, args.threads, local_cores())
     if args.ray_address:
         ray.init(address=args.ray_address)
@@ -356,7 +363,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
             log.warning("%s ask for %d CPUs on %d cores: they will share them", plan.describe(), demand, local_cores())
         ray.init(num_cpus=max(local_cores(), demand), include_dashboard=False)
     try:
-        deployment = deploy(engine_config, server_config, plan)
+        deployment = deploy(build_app, engine_config, server_config, plan)
         spec = engine_config.spec
         print(f"tandem serving {engine_config.model} on {deployment.url} through Ray Serve: {plan.describe()} "
               f"(speculation: {spec.algorithm or 'off'}{f', policy {spec.policy}' if spec.algorithm else ''})",
