@@ -300,9 +300,7 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
         stream = _stream_chat if chat else _stream_completion
         return StreamingResponse(stream(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    texts, outputs, provenance = await _drain(gen, request)
-    if not body.return_provenance:
-        provenance = {}
+    texts, outputs, provenance = await _drain(gen, request, body.return_provenance)
     if len(outputs) < len(gen.choices):  # the client went away and the generation was aborted
         return Response(status_code=499)
     if any(o.error for o in outputs.values()):
@@ -319,9 +317,10 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     return CompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
 
 
-async def _drain(gen: Generation, request: Request) -> tuple[dict[int, str], dict[int, Delta], dict[int, Provenance]]:
-    """Collect every delta (text, final delta and provenance per choice); abort the generation
-    if the client goes away first."""
+async def _drain(gen: Generation, request: Request,
+                 provenance: bool) -> tuple[dict[int, str], dict[int, Delta], dict[int, Provenance]]:
+    """Collect every delta (text, final delta and, when asked for, provenance per choice);
+    abort the generation if the client goes away first."""
 
     async def watch():
         while True:
@@ -333,25 +332,26 @@ async def _drain(gen: Generation, request: Request) -> tuple[dict[int, str], dic
     watcher = asyncio.create_task(watch())
     texts: dict[int, str] = {i: "" for i in range(len(gen.choices))}
     finals: dict[int, Delta] = {}
-    provenance = {i: Provenance(pieces=[], rounds=[]) for i in range(len(gen.choices))}
+    origins = {i: Provenance(pieces=[], rounds=[]) for i in range(len(gen.choices))} if provenance else {}
     try:
         async for index, delta in gen:
             texts[index] += delta.text
-            new = _provenance(delta)
-            provenance[index].pieces += new.pieces
-            provenance[index].rounds += new.rounds
+            if provenance:
+                new = _provenance(delta)
+                origins[index].pieces += new.pieces
+                origins[index].rounds += new.rounds
             if delta.finish_reason is not None:
                 finals[index] = delta
     finally:
         watcher.cancel()
         gen.abort()  # no-op when every choice finished
-    return texts, finals, provenance
+    return texts, finals, origins
 
 
 def _provenance(delta: Delta) -> Provenance:
     """A delta's text cut by who wrote it, and the round that produced it (if one ran)."""
     pieces = [TokenPiece(text=text, origin=origin) for text, origin in delta.text_origins or ()]
-    rounds = [RoundAcceptance(depth=delta.round.depth, accepted=delta.round.accepted)] if delta.round else []
+    rounds = [] if delta.round is None else [RoundAcceptance(depth=delta.round.depth, accepted=delta.round.accepted)]
     return Provenance(pieces=pieces, rounds=rounds)
 
 
@@ -378,7 +378,7 @@ async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: i
                 yield _error_event(delta)
             if delta.finish_reason is not None:
                 finals[index] = delta
-            if delta.text or delta.finish_reason is not None or (provenance and delta.round):
+            if delta.text or delta.finish_reason is not None or (provenance and delta.round is not None):
                 choice = CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason,
                                           provenance=_provenance(delta) if provenance else None)
                 yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[choice]))
@@ -403,7 +403,7 @@ async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, in
         async for index, delta in gen:
             if delta.error:
                 yield _error_event(delta)
-            if delta.text or (provenance and delta.round):
+            if delta.text or (provenance and delta.round is not None):
                 yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
                                              provenance=_provenance(delta) if provenance else None)])
             if delta.finish_reason is not None:
