@@ -22,10 +22,10 @@ from conftest import ToyTokenizer, tiny_loaded
 from test_server import NAME, PROMPTS, chat_loaded, client, plain_greedy, start
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engine.engine import round_origins
-from tandem.engine.request import TOKEN_ORIGINS, Request
+from tandem.engine.request import Request
 from tandem.llm import LLM
 from tandem.server.protocol import TokenPiece
-from tandem.types import Draft
+from tandem.types import TOKEN_ORIGINS, Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

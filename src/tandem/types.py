@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
+
+# Who wrote an output token (SamplingParams.token_origins): a draft token the target accepted; the
+# target's own token where it rejected a draft (recovered); its extra token after a draft it
+# accepted whole (bonus); or a round without a draft (target: plain decoding).
+TokenOrigin = Literal["accepted", "recovered", "bonus", "target"]
+TOKEN_ORIGINS: tuple[str, ...] = get_args(TokenOrigin)
 
 
 @dataclass

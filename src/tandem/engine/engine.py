@@ -376,7 +376,7 @@ class Engine:
                 origins: list[str] | None = None) -> tuple[StepUpdate, "RoundCounts"]:
         """Append the round's tokens (stop conditions apply inside the run) and record its
         counts, clipped at a stop: what follows it was never used, so it is not counted.
-        origins: each token's TOKEN_ORIGINS entry (default: all the target's)."""
+        origins: each token's types.TOKEN_ORIGINS entry (default: all the target's)."""
         kept = req.append(tokens, self.tokenizer, origins)
         req.next_token = tokens[kept - 1] if kept else req.next_token
         if kept < len(tokens):

@@ -15,11 +15,6 @@ from tandem.types import RequestOutput, SpecStats
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
 
-# Who wrote an output token (SamplingParams.token_origins): a draft token the target accepted; the
-# target's own token where it rejected a draft (recovered); its extra token after a draft it
-# accepted whole (bonus); or a round without a draft (target: plain decoding).
-TOKEN_ORIGINS = ("accepted", "recovered", "bonus", "target")
-
 
 class HiddenRows:
     """The target's hidden states of the tokens a request's drafter has not seen yet: rows are
@@ -105,7 +100,7 @@ class Request:
 
     def append(self, tokens: list[int], tokenizer, origins: list[str] | None = None) -> int:
         """Append committed tokens one by one, applying stop conditions inside the run; origins:
-        each token's TOKEN_ORIGINS entry (recorded when params.token_origins asks for it).
+        each token's origin (types.TOKEN_ORIGINS; recorded when params.token_origins asks for it).
 
         Returns how many were kept: nothing after EOS, a stop token, a completed stop string or
         max_tokens is ever added.

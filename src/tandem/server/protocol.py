@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from tandem.config import GREEDY_TEMPERATURE
+from tandem.types import TokenOrigin
 
 MAX_N = 16
 MAX_STOP = 8
@@ -154,7 +155,7 @@ class TokenPiece(BaseModel):
     target's extra token after a draft it kept whole) or `target` (a round without a draft)."""
 
     text: str
-    origin: Literal["accepted", "recovered", "bonus", "target"]
+    origin: TokenOrigin
 
 
 class RoundAcceptance(BaseModel):
