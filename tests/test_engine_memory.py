@@ -274,6 +274,64 @@ def test_a_hit_hands_drafters_the_hidden_rows_of_the_reused_prefix(fused):
         assert torch.equal(with_hit[layer], without[layer])
 
 
+SYSTEM = [(3 * i + 1) % 90 + 3 for i in range(14)]  # a shared "system prompt"
+
+
+def test_a_prompt_copies_the_prefix_a_running_request_holds_bit_for_bit(fused):
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    shared = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=3, chunked_prefill_size=4))
+    shared.add_request(SYSTEM + [40, 41, 42], params, "running")
+    shared.step()  # prefilled whole, now decoding: its row holds the system prompt
+    late = shared.add_request(SYSTEM + [50, 51, 52, 53], GREEDY, "late")
+    shared.step()
+    assert late.prefilled >= len(SYSTEM)  # copied, then one chunk of its own
+    assert shared.prefix_cache.hit_tokens == len(SYSTEM)
+    run(shared)
+    alone = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=1))  # nothing to copy: computes it all
+    ref = served(alone, SYSTEM + [50, 51, 52, 53], GREEDY, "late")
+    assert alone.prefix_cache.hit_tokens == 0
+    assert late.output_ids == ref.output_ids
+    n = len(ref.context) - 1
+    (mine,) = [r for r in shared.prefix_cache._rows.values() if r.tokens == ref.context[:n]]
+    (theirs,) = alone.prefix_cache._rows.values()
+    assert torch.equal(shared.cache.k[:, mine.seq, :, :n], alone.cache.k[:, theirs.seq, :, :n])
+    assert torch.equal(shared.cache.v[:, mine.seq, :, :n], alone.cache.v[:, theirs.seq, :, :n])
+
+
+def test_prompts_admitted_together_prefill_their_shared_prefix_once(fused):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=5, chunked_prefill_size=16))
+    engine.add_request([9, 10, 11], params, "running")
+    engine.step()
+    prompts = {f"p{i}": SYSTEM + [60 + i, 61 + i] for i in range(4)}
+    for rid, prompt in prompts.items():
+        engine.add_request(prompt, params, rid)
+    outputs, _ = run(engine)
+    # p0's first chunk writes the shared prefix; the others copy it and compute only their own tokens
+    assert engine.prefix_cache.hit_tokens == 3 * len(SYSTEM)
+    alone = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=1, enable_prefix_caching=False))
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == served(alone, prompt, params, rid).output_ids
+
+
+def test_a_copied_live_prefix_hands_drafters_its_hidden_rows(fused):
+    def recorded(caching):
+        e = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2, chunked_prefill_size=4,
+                                       enable_prefix_caching=caching, spec=SpecConfig("ngram", 2)))
+        e.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
+        e.add_request(SYSTEM + [40, 41], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), "a")
+        e.step()
+        e.add_request(SYSTEM + [70, 71, 72], GREEDY, "b")
+        run(e)
+        return e, e.drafter.seen["b"][0]
+
+    engine, copied = recorded(True)
+    assert engine.prefix_cache.hit_tokens == len(SYSTEM)
+    _, computed = recorded(False)
+    for layer in computed:
+        assert torch.equal(copied[layer], computed[layer])
+
+
 def test_no_prefix_cache_off_the_batch_invariant_path():
     _, loaded = tiny_loaded("llama")
     assert Engine(loaded, EngineConfig(max_model_len=64)).prefix_cache is None

@@ -23,8 +23,8 @@ from tandem.drafters import (
     TargetInfo,
     create_drafter,
 )
-from tandem.engine.prefix_cache import CachedRow, PrefixCache
-from tandem.engine.request import Request
+from tandem.engine.prefix_cache import CachedRow, PrefixCache, common_prefix_len
+from tandem.engine.request import HiddenRows, Request
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
 from tandem.model.runner import ModelRunner, SeqInput
@@ -235,6 +235,9 @@ class Engine:
         gives bit for bit the numbers of an unchunked one, which later verification compares
         against; elsewhere prompts always run whole.
         """
+        for req in self.prefilling:
+            if not req.prefill_started:
+                self._share_live_prefix(req)
         budget = self.config.chunked_prefill_size
         if not (budget and self.running and self.runner.batch_invariant):
             return [(r, r.prefilled, len(r.prompt_ids)) for r in self.prefilling]
@@ -247,6 +250,31 @@ class Engine:
                 break
         return chunks
 
+    def _share_live_prefix(self, req: Request) -> None:
+        """Before its prompt's first forward, a request copies the longest prefix of its prompt
+        that a live request's row already holds, when that beats its kept-row hit: a burst of
+        prompts sharing a system prompt with each other or with the running requests prefills it
+        once. Exact for the reason kept rows are (the KV of a token does not depend on what
+        computed it), so only where the prefix cache is on."""
+        if self.prefix_cache is None:
+            return
+        live = [(r, min(self.cache.lengths[r.seq], len(r.context) - 1)) for r in self.running]
+        live += [(r, r.prefilled) for r in self.prefilling if r is not req]
+        best, best_len = None, req.prefilled
+        reusable = req.prompt_ids[:-1]
+        for other, held in live:
+            n = common_prefix_len(other.context[:held], reusable)
+            if n > best_len:
+                best, best_len = other, n
+        if best is None:
+            return
+        self.cache.truncate(req.seq, 0)
+        self.cache.copy_prefix(best.seq, req.seq, best_len)
+        self.prefix_cache.record_shared(best_len - req.prefilled)
+        req.prefilled = best_len
+        req.pending_hidden, req.hidden_log = HiddenRows(), HiddenRows()
+        self._add_hidden(req, best.hidden_log.first(best_len))
+
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
         """Write the chunks' prompt tokens to the cache; a request whose prompt is then complete
         samples its first token from the last prompt row and starts decoding."""
@@ -257,6 +285,7 @@ class Engine:
         updates = []
         for b, (req, _, end) in enumerate(chunks):
             req.prefilled = end
+            req.prefill_started = True
             self._add_hidden(req, {layer: h[b] for layer, h in out.hidden.items()})
             if end < len(req.prompt_ids):
                 continue

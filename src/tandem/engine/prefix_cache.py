@@ -75,6 +75,10 @@ class PrefixCache:
         if row is not None and reused and row.seq in self._rows:  # (a row taken over is gone)
             self._rows.move_to_end(row.seq)
 
+    def record_shared(self, tokens: int) -> None:
+        """Count prompt tokens whose KV a request copied from a live request's row."""
+        self.hit_tokens += tokens
+
     def evict(self, keep: int | None = None) -> CachedRow | None:
         """Remove and return the least recently used row other than row `keep`, or None."""
         for seq in self._rows:

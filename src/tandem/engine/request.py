@@ -34,6 +34,12 @@ class HiddenRows:
         rows, self._rows = self._rows, {}
         return {layer: parts[0] if len(parts) == 1 else torch.cat(parts) for layer, parts in rows.items()}
 
+    def first(self, n: int) -> dict[int, torch.Tensor]:
+        """The first n rows of every layer, leaving them held (joined into one piece)."""
+        joined = {layer: parts[0] if len(parts) == 1 else torch.cat(parts) for layer, parts in self._rows.items()}
+        self._rows = {layer: [h] for layer, h in joined.items()}
+        return {layer: h[:n] for layer, h in joined.items()}
+
 
 @dataclass
 class Request:
@@ -52,6 +58,7 @@ class Request:
     eos_ids: frozenset[int]
     seq: int | None = None
     prefilled: int = 0  # prompt tokens already in the KV cache (prompts may be prefilled in chunks)
+    prefill_started: bool = False  # a forward has run over some of its prompt
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None
     finish_reason: str | None = None
