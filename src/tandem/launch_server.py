@@ -36,9 +36,10 @@ from tandem.server.metrics import ServerMetrics
 # runs) because a policy without a measured cost curve cannot adapt.
 SERVE_POLICY = "adaptive"
 NO_SPECULATION = ("none", "off")
-# 32 requests decode together by default: the KV cache commits memory only for the tokens they
-# hold (model/kv_cache.py), so the rows cost nothing until used.
-SERVE_MAX_RUNNING_REQUESTS = 32
+# 64 requests decode together by default: the KV cache commits memory only for the tokens they
+# hold (model/kv_cache.py), so the rows cost nothing until used. With 32, a burst of 32 beside a
+# few running streams queued its last prompts behind whole answers (docs/serving.md).
+SERVE_MAX_RUNNING_REQUESTS = 64
 API_KEY_ENV = "TANDEM_API_KEY"  # as vLLM's VLLM_API_KEY: the key without putting it on the command line
 
 
