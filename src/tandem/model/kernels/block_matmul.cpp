@@ -623,7 +623,20 @@ void attend_heads(const Query* qs, const KvT* K, const KvT* V, float scale) {
     for (int64_t s = kl.lo; s < clo; ++s) qs[j].scores[s - kl.lo] = score_one(j, s);
   }
   const __m256 none = _mm256_setzero_ps();
-  for (int64_t s = clo; s < chi; ++s) {
+  int64_t s0 = clo;
+  if constexpr (NQ == 1) {
+    // One query: four keys at a time, each its own FMA chain in the same order, so the chains'
+    // latencies overlap (one chain at a time waited on every FMA) and every score is the one the
+    // key-by-key loop below computes.
+    for (; s0 + 4 <= chi; s0 += 4) {
+      vf a[4] = {vzerof(), vzerof(), vzerof(), vzerof()};
+      for (int d = 0; d < DV; ++d)
+        for (int k = 0; k < 4; ++k) a[k] = vfma(q[0][d], vload_kv(K + (s0 + k) * D + kLanes * d), a[k]);
+      _mm_storeu_ps(qs[0].scores + (s0 - qs[0].keys.lo),
+                    _mm_mul_ps(hsum8x4(fold8(a[0]), fold8(a[1]), fold8(a[2]), fold8(a[3])), _mm_set1_ps(scale)));
+    }
+  }
+  for (int64_t s = s0; s < chi; ++s) {
     vf kr[DV];
     for (int d = 0; d < DV; ++d) kr[d] = vload_kv(K + s * D + kLanes * d);
     __m256 r[4] = {none, none, none, none};
@@ -689,9 +702,10 @@ void attend_head_any(const Query& query, const KvT* K, const KvT* V, int64_t D, 
 }
 
 // How many queries share one pass over a kv head's keys, at most: as many as keep their q (and
-// then their outputs) in registers.
+// then their outputs) in registers. On AVX2 (8 lanes) one query at D = 64 already fills half the
+// 16 registers, so there a query runs alone and its scores take four keys at a time instead.
 constexpr int max_shared_queries(int64_t D) {
-  return D / kLanes <= 4 ? 4 : D / kLanes <= 8 ? 2 : 1;
+  return D / kLanes <= 4 ? 4 : D / kLanes <= 8 && kLanes == 16 ? 2 : 1;
 }
 
 template <int DV, typename KvT>
