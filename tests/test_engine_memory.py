@@ -79,6 +79,18 @@ def test_chunked_prefill_keeps_greedy_output_and_bounds_each_piece(fused):
     assert len(pieces) > 2 and max(pieces) <= 8 and sum(pieces) == len(LONG_PROMPT)
 
 
+def test_a_prompt_chunk_shares_the_decoding_forward(fused):
+    engine = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2, chunked_prefill_size=5))
+    engine.add_request([5, 6, 7], GREEDY, "early")
+    engine.step()
+    late = engine.add_request(LONG_PROMPT, GREEDY, "late")
+    forwards = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda inputs, *a, **k: forwards.append(len(inputs)) or forward(inputs, *a, **k)
+    engine.step()
+    assert forwards == [2] and late.prefilled == 5  # early's round and late's first chunk, one forward
+
+
 class HiddenRecorder(Drafter):
     """Drafts nothing; records the hidden rows the engine hands it, per request."""
 

@@ -294,6 +294,37 @@ def test_prompts_of_any_length_take_the_fused_path_and_decoding_stays_bitwise(ar
     assert torch.equal(out.logits, step)
 
 
+def test_a_batch_over_the_row_budget_packs_into_as_few_calls_as_fit(monkeypatch):
+    """Many sequences' short drafts (and a tree) beyond FUSED_ROW_BUDGET run in ceil(rows / budget)
+    native calls, not one per sequence, with every sequence's numbers those of a forward of its own."""
+    import tandem.model.runner as runner_module
+
+    model = block_model_named("llama")
+    drafts = [[20 + i, 30 + i, 40 + i, 50 + i, 60 + i] for i in range(7)]
+    tree = SeqInput(0, [5, 6, 7, 8], parents=[-1, 0, 0, 1], logits="all")
+
+    def fresh():
+        r = runner_for(model, max_seqs=8)
+        seqs = [r.cache.allocate() for _ in range(8)]
+        r.forward([SeqInput(s, [3, 4, 5 + s]) for s in seqs])  # a short prefix each
+        return r, seqs
+
+    alone, seqs = fresh()
+    ref = [alone.forward([SeqInput(s, d, logits="all")], hidden_layers=(1,)) for s, d in zip(seqs, drafts)]
+    ref_tree = alone.forward([SeqInput(seqs[7], tree.token_ids, parents=tree.parents, logits="all")])
+    monkeypatch.setattr(runner_module, "FUSED_ROW_BUDGET", 16)
+    packed, seqs = fresh()
+    calls = []
+    fused_call = packed._fused_call
+    monkeypatch.setattr(packed, "_fused_call", lambda inputs, layers: calls.append(len(inputs)) or fused_call(inputs, layers))
+    out = packed.forward([SeqInput(s, d, logits="all") for s, d in zip(seqs, drafts)]
+                         + [SeqInput(seqs[7], tree.token_ids, parents=tree.parents, logits="all")], hidden_layers=(1,))
+    assert len(calls) == 3  # 39 rows in calls of 16, 16 and 7 (the tree whole in the last)
+    for b in range(7):
+        assert torch.equal(out.rows(b), ref[b].logits) and torch.equal(out.hidden[1][b], ref[b].hidden[1][0])
+    assert torch.equal(out.rows(7), ref_tree.logits)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_speculative_greedy_output_equals_plain_on_block_kernels_with_long_prompts(arch):
     """End to end through the engine: prompts past the fused path's length (the general path),

@@ -27,7 +27,7 @@ from tandem.engine.prefix_cache import CachedRow, PrefixCache, common_prefix_len
 from tandem.engine.request import HiddenRows, Request
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
-from tandem.model.runner import ModelRunner, SeqInput
+from tandem.model.runner import ForwardOutput, ModelRunner, SeqInput
 from tandem.sampling import NonFiniteLogitsError, make_generator
 from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy, create_policy
@@ -134,12 +134,16 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[StepUpdate]:
-        """One speculative round for the running requests, then a piece of the admitted prompts
-        (whole prompts when nothing else decodes; see _prefill_chunks)."""
+        """One speculative round for the running requests and a piece of the admitted prompts
+        (whole prompts when nothing else decodes; see _prefill_chunks). Where a token's numbers do
+        not depend on what shares its forward (the fused CPU path), both run in one forward: the
+        weights are read once per step, not twice."""
         self.prefilling.extend(self._admit())
-        updates = self._decode_round()
-        if self.prefilling:
-            updates += self._prefill(self._prefill_chunks())
+        chunks = self._prefill_chunks() if self.prefilling else []
+        if self.runner.batch_invariant:
+            updates = self._decode_round(chunks)
+        else:
+            updates = self._decode_round([]) + (self._prefill(chunks) if chunks else [])
         for u in updates:
             if u.request.finished:
                 self._retire(u.request)
@@ -276,14 +280,17 @@ class Engine:
         self._add_hidden(req, best.hidden_log.first(best_len))
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
-        """Write the chunks' prompt tokens to the cache; a request whose prompt is then complete
-        samples its first token from the last prompt row and starts decoding."""
+        """A forward of the chunks' prompt tokens alone (see _prefilled)."""
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
-        inputs = [SeqInput(r.seq, r.prompt_ids[a:e], logits="last" if e == len(r.prompt_ids) else [])
-                  for r, a, e in chunks]
-        out = self.runner.forward(inputs, needs)
+        return self._prefilled(self.runner.forward(chunk_inputs(chunks), needs), chunks, first=0)
+
+    def _prefilled(self, out: ForwardOutput, chunks: list[tuple[Request, int, int]], first: int) -> list[StepUpdate]:
+        """After a forward wrote the chunks' prompt tokens to the cache (its inputs first,
+        first + 1, ...): a request whose prompt is then complete samples its first token from the
+        last prompt row and starts decoding."""
         updates = []
-        for b, (req, _, end) in enumerate(chunks):
+        for i, (req, _, end) in enumerate(chunks):
+            b = first + i
             req.prefilled = end
             req.prefill_started = True
             self._add_hidden(req, {layer: h[b] for layer, h in out.hidden.items()})
@@ -298,15 +305,16 @@ class Engine:
             updates.append(self._commit(req, [token], RoundCounts(0, 0, 0))[0])
         return updates
 
-    def _decode_round(self) -> list[StepUpdate]:
-        """One speculative round for every running request: propose -> verify forward -> grade
-        -> commit -> learn. Each phase is one method below."""
+    def _decode_round(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
+        """One speculative round for every running request, with the prompt chunks in the same
+        forward: propose -> verify forward -> grade -> commit -> learn. Each phase is one method
+        below."""
         batch = list(self.running)
         if not batch:
-            return []
+            return self._prefill(chunks) if chunks else []
         drafts = self._propose(batch)
         verify_start = time.perf_counter()
-        out, tokens = self._verify_forward(batch, drafts)
+        out, tokens = self._verify_forward(batch, drafts, chunks)
         updates, outcomes = [], []
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             try:
@@ -317,19 +325,21 @@ class Engine:
             update, counted = self._commit_round(req, draft, committed, path, {li: h[b] for li, h in out.hidden.items()})
             updates.append(update)
             outcomes.append(DraftOutcome(req.request_id, counted.drafted, counted.accepted, update.new_token_ids))
-        self._learn(outcomes, tokens, time.perf_counter() - verify_start)
-        return updates
+        # A forward that also prefilled prompt rows (no LM head, other contexts) is not a sample
+        # of the verification cost curve.
+        self._learn(outcomes, None if chunks else (tokens, time.perf_counter() - verify_start))
+        return updates + self._prefilled(out, chunks, first=len(batch))
 
-    def _verify_forward(self, batch: list[Request], drafts: list[Draft]):
+    def _verify_forward(self, batch: list[Request], drafts: list[Draft], chunks: list[tuple[Request, int, int]]):
         """One target forward over every request's next token and draft, token by token: each
-        verified token (tree node) sees exactly what plain decoding of its path would. Returns
-        the output and the rows the forward computed (ModelRunner.verify_rows), which the policy
-        learns the cost curve from."""
+        verified token (tree node) sees exactly what plain decoding of its path would; then the
+        prompt chunks. Returns the output and the rows the forward computed
+        (ModelRunner.verify_rows), which the policy learns the cost curve from."""
         inputs = [
             SeqInput(r.seq, [r.next_token] + d.token_ids, logits="all",
                      parents=rooted_parents(d.parents))
             for r, d in zip(batch, drafts)
-        ]
+        ] + chunk_inputs(chunks)
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
         out = self.runner.forward(inputs, needs, token_by_token=True)
         return out, self.runner.verify_rows([len(i.token_ids) for i in inputs])
@@ -346,10 +356,12 @@ class Engine:
             self.policy.observe(req.request_id, counted.depth, counted.accepted)
         return update, counted
 
-    def _learn(self, outcomes: list[DraftOutcome], tokens: int, seconds: float) -> None:
-        """The policy learns the round's verification cost, the drafter what was committed."""
+    def _learn(self, outcomes: list[DraftOutcome], cost: tuple[int, float] | None) -> None:
+        """The policy learns the round's verification cost (rows, seconds), the drafter what
+        was committed."""
         if self.drafter is not None:
-            self.policy.observe_round(tokens, seconds)
+            if cost is not None:
+                self.policy.observe_round(*cost)
             self.drafter.observe(outcomes)
 
     def _propose(self, batch: list[Request]) -> list[Draft]:
@@ -466,6 +478,12 @@ class Engine:
                 "rather than raising the number of draft tokens",
                 s.mean_acceptance_length, POOR_DRAFTER_TAU, self.config.spec.algorithm,
             )
+
+
+def chunk_inputs(chunks: list[tuple[Request, int, int]]) -> list[SeqInput]:
+    """The forward inputs of prompt chunks (request, start, end): logits only for a prompt's last
+    token, which gives its first output token."""
+    return [SeqInput(r.seq, r.prompt_ids[a:e], logits="last" if e == len(r.prompt_ids) else []) for r, a, e in chunks]
 
 
 def round_origins(draft: Draft, path: list[int]) -> list[str]:

@@ -68,6 +68,37 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     return anc
 
 
+def _pack_calls(inputs: list[SeqInput], budget: int) -> list[list[tuple[int, SeqInput]]]:
+    """The inputs as native calls of at most `budget` rows, in order: (input index, piece). A chain
+    fills the current call's room and continues in the next (its pieces stay in order, each
+    call writing its keys before the next reads them); a tree is never split (a tree larger than
+    the budget gets a call of its own)."""
+    calls: list[list[tuple[int, SeqInput]]] = [[]]
+    room = budget
+    for b, inp in enumerate(inputs):
+        n = len(inp.token_ids)
+        if inp.parents is not None:
+            if n > room and calls[-1]:
+                calls.append([])
+                room = budget
+            calls[-1].append((b, inp))
+            room -= n
+            continue
+        wanted = inp.logit_indices()
+        a = 0
+        while a < n:
+            if room <= 0:
+                calls.append([])
+                room = budget
+            take = min(room, n - a)
+            positions = None if inp.positions is None else inp.positions[a : a + take]
+            calls[-1].append((b, SeqInput(inp.seq, inp.token_ids[a : a + take], positions, None,
+                                          [i - a for i in wanted if a <= i < a + take])))
+            room -= take
+            a += take
+    return calls
+
+
 class ModelRunner:
     def __init__(self, model: TransformerLM, cache: KVCache) -> None:
         self.model = model
@@ -154,24 +185,22 @@ class ModelRunner:
         return self.model.logits(selected)
 
     def _forward_fused(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
-        """Chains and trees through the fused kernels (see fused.py), at most FUSED_ROW_BUDGET
-        rows per native call: a longer forward runs its long chains (prompts) piece by piece,
-        which computes the same numbers (every token reads exactly its own keys)."""
+        """Chains and trees through the fused kernels (see fused.py), packed into as few native
+        calls of at most FUSED_ROW_BUDGET rows as they fit: a chain longer than a call's room
+        (a prompt) continues in the next call, a tree runs whole. Every call reads all the
+        weights, so a batch of many short drafts must not become a call per sequence; splitting
+        changes no number (every token reads exactly its own keys, the linears are
+        row-independent)."""
         if sum(len(i.token_ids) for i in inputs) <= FUSED_ROW_BUDGET:
             return self._fused_call(inputs, hidden_layers)
         logits: list[list[torch.Tensor]] = [[] for _ in inputs]
         hidden: dict[int, list[list[torch.Tensor]]] = {}
-        for b, inp in enumerate(inputs):
-            n = len(inp.token_ids)
-            step = n if inp.parents is not None else FUSED_ROW_BUDGET
-            wanted = inp.logit_indices()
-            for a in range(0, n, step):
-                piece = SeqInput(inp.seq, inp.token_ids[a : a + step], inp.positions, inp.parents,
-                                 [i - a for i in wanted if a <= i < a + step])
-                out = self._fused_call([piece], hidden_layers)
-                logits[b].append(out.logits)
+        for call in _pack_calls(inputs, FUSED_ROW_BUDGET):
+            out = self._fused_call([piece for _, piece in call], hidden_layers)
+            for j, (b, _) in enumerate(call):
+                logits[b].append(out.rows(j))
                 for li, rows in out.hidden.items():
-                    hidden.setdefault(li, [[] for _ in inputs])[b].append(rows[0])
+                    hidden.setdefault(li, [[] for _ in inputs])[b].append(rows[j])
         offsets = [0]
         for rows in logits:
             offsets.append(offsets[-1] + sum(r.shape[0] for r in rows))
