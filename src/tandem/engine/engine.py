@@ -23,7 +23,7 @@ from tandem.drafters import (
     TargetInfo,
     create_drafter,
 )
-from tandem.engine.prefix_cache import CachedRow, PrefixCache, common_prefix_len
+from tandem.engine.prefix_cache import CachedRow, PrefixCache, longest_shared_prefix
 from tandem.engine.request import HiddenRows, Request
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
@@ -262,14 +262,9 @@ class Engine:
         computed it), so only where the prefix cache is on."""
         if self.prefix_cache is None:
             return
-        live = [(r, min(self.cache.lengths[r.seq], len(r.context) - 1)) for r in self.running]
-        live += [(r, r.prefilled) for r in self.prefilling if r is not req]
-        best, best_len = None, req.prefilled
-        reusable = req.prompt_ids[:-1]
-        for other, held in live:
-            n = common_prefix_len(other.context[:held], reusable)
-            if n > best_len:
-                best, best_len = other, n
+        live = [(r, r.context[: min(self.cache.lengths[r.seq], len(r.context) - 1)]) for r in self.running]
+        live += [(r, r.prompt_ids[: r.prefilled]) for r in self.prefilling if r is not req]
+        best, best_len = longest_shared_prefix(req.prompt_ids, live, at_least=req.prefilled)
         if best is None:
             return
         self.cache.truncate(req.seq, 0)

@@ -40,6 +40,19 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def longest_shared_prefix(prompt: list[int], holders, at_least: int = 0):
+    """Of (holder, tokens) pairs, the holder whose tokens share the longest prefix with `prompt`,
+    and that length, when it exceeds `at_least` (else (None, at_least)). At most len(prompt) - 1:
+    the last prompt token is always computed, its logits give the first output token."""
+    best, best_len = None, at_least
+    reusable = prompt[:-1]
+    for holder, tokens in holders:
+        n = common_prefix_len(tokens, reusable)
+        if n > best_len:
+            best, best_len = holder, n
+    return best, best_len
+
+
 class PrefixCache:
     def __init__(self) -> None:
         self._rows: OrderedDict[int, CachedRow] = OrderedDict()  # least recently used first
@@ -57,16 +70,8 @@ class PrefixCache:
         self._rows[row.seq] = row
 
     def longest_prefix(self, prompt: list[int]) -> tuple[CachedRow | None, int]:
-        """The kept row sharing the longest prefix with `prompt`, and that length (at most
-        len(prompt) - 1: the last prompt token is always computed, its logits give the first
-        output token)."""
-        best, best_len = None, 0
-        reusable = prompt[:-1]
-        for row in self._rows.values():
-            n = common_prefix_len(row.tokens, reusable)
-            if n > best_len:
-                best, best_len = row, n
-        return best, best_len
+        """The kept row sharing the longest prefix with `prompt`, and that length."""
+        return longest_shared_prefix(prompt, ((row, row.tokens) for row in self._rows.values()))
 
     def record(self, prompt_len: int, reused: int, row: CachedRow | None) -> None:
         """Count a lookup; a used row becomes the most recently used."""
