@@ -21,7 +21,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from conftest import ToyTokenizer, tiny_loaded
 from test_server import NAME, PROMPTS, chat_loaded, client, plain_greedy, start
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
-from tandem.engine.engine import round_origins
+from tandem.engine.rounds import round_origins
 from tandem.engine.request import Request
 from tandem.llm import LLM
 from tandem.server.protocol import TokenPiece

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 
 from tandem.config import SamplingParams
-from tandem.engine.engine import Engine, RoundCounts, StepUpdate
+from tandem.engine.engine import Engine
+from tandem.engine.rounds import RoundCounts, StepUpdate
 from tandem.server.metrics import ServerMetrics
 from tandem.types import RequestOutput
 
