@@ -226,9 +226,11 @@ class Engine:
         gives bit for bit the numbers of an unchunked one, which later verification compares
         against; elsewhere prompts always run whole.
         """
-        for req in self.prefilling:
-            if not req.prefill_started:
-                self._share_live_prefix(req)
+        starting = [r for r in self.prefilling if not r.prefill_started]
+        if starting and self.prefix_cache is not None:
+            live = self._live_prefixes()
+            for req in starting:
+                self._share_live_prefix(req, [(r, tokens) for r, tokens in live if r is not req])
         budget = self.config.chunked_prefill_size
         if not (budget and self.running and self.runner.batch_invariant):
             return [(r, r.prefilled, len(r.prompt_ids)) for r in self.prefilling]
@@ -241,16 +243,18 @@ class Engine:
                 break
         return chunks
 
-    def _share_live_prefix(self, req: Request) -> None:
+    def _live_prefixes(self) -> list[tuple[Request, list[int]]]:
+        """The tokens whose KV each live row holds: a running request's context but its last
+        (sampled, not yet fed) token, a prefilling one's prefilled prompt."""
+        live = [(r, r.context[: min(self.cache.lengths[r.seq], len(r.context) - 1)]) for r in self.running]
+        return live + [(r, r.prompt_ids[: r.prefilled]) for r in self.prefilling]
+
+    def _share_live_prefix(self, req: Request, live: list[tuple[Request, list[int]]]) -> None:
         """Before its prompt's first forward, a request copies the longest prefix of its prompt
         that a live request's row already holds, when that beats its kept-row hit: a burst of
         prompts sharing a system prompt with each other or with the running requests prefills it
         once. Exact for the reason kept rows are (the KV of a token does not depend on what
         computed it), so only where the prefix cache is on."""
-        if self.prefix_cache is None:
-            return
-        live = [(r, r.context[: min(self.cache.lengths[r.seq], len(r.context) - 1)]) for r in self.running]
-        live += [(r, r.prompt_ids[: r.prefilled]) for r in self.prefilling if r is not req]
         best, best_len = longest_shared_prefix(req.prompt_ids, live, at_least=req.prefilled)
         if best is None:
             return
