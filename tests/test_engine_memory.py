@@ -156,16 +156,16 @@ def test_the_kv_cache_commits_memory_only_for_written_slots_and_returns_it():
 def test_a_token_budget_makes_requests_wait_and_refuses_what_can_never_fit():
     _, loaded = tiny_loaded("llama")
     e = Engine(loaded, EngineConfig(max_model_len=64, max_num_seqs=4, max_total_tokens=40))
-    assert e.max_total_tokens == 40
+    assert e.admission.max_total_tokens == 40
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     for i in range(3):
         e.add_request([5 + i] * 8, params, f"r{i}")  # 18 slots each: two fit beside each other
     e.step()
     assert len(e.running) + len(e.prefilling) == 2 and len(e.waiting) == 1
-    assert e.kv_reserved == 36
+    assert e.admission.kv_reserved == 36
     outputs, _ = run(e)
     assert all(len(ids) == 10 for ids in outputs.values())
-    assert e.kv_reserved == 0
+    assert e.admission.kv_reserved == 0
     with pytest.raises(ValueError, match="max_total_tokens"):
         e.add_request([5] * 8, SamplingParams(max_tokens=40), "too-big")
 
@@ -218,18 +218,18 @@ def test_a_prefix_hit_gives_bit_for_bit_what_a_fresh_engine_computes(fused, para
     b = cached.add_request(second, params, "b")
     cached.step()
     assert b.prefilled == len(second) or b.finished
-    assert cached.prefix_cache.hit_tokens == len(first) + len(a.output_ids) - 1
+    assert cached.admission.prefix_cache.hit_tokens == len(first) + len(a.output_ids) - 1
     while not b.finished:
         cached.step()
     # A fresh engine computes every token of the same request itself (nothing to hit) and keeps
     # its row too: the two rows, one reused and extended, one computed whole, must be the same bits.
     fresh = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2))
     ref = served(fresh, second, params, "b")
-    assert fresh.prefix_cache.hit_tokens == 0
+    assert fresh.admission.prefix_cache.hit_tokens == 0
     assert b.output_ids == ref.output_ids
     n = len(second) + len(b.output_ids) - 1
-    (mine,) = [r for r in cached.prefix_cache._rows.values() if r.tokens == b.context[:n]]
-    (theirs,) = fresh.prefix_cache._rows.values()
+    (mine,) = [r for r in cached.admission.prefix_cache._rows.values() if r.tokens == b.context[:n]]
+    (theirs,) = fresh.admission.prefix_cache._rows.values()
     assert theirs.tokens == mine.tokens
     assert torch.equal(cached.cache.k[:, mine.seq, :, :n], fresh.cache.k[:, theirs.seq, :, :n])
     assert torch.equal(cached.cache.v[:, mine.seq, :, :n], fresh.cache.v[:, theirs.seq, :, :n])
@@ -240,13 +240,13 @@ def test_kept_rows_are_evicted_least_recently_used_first(fused):
     p1, p2, p3 = [3, 4, 5, 6] * 3, [7, 8, 9, 10] * 3, [11, 12, 13] * 4
     served(engine, p1, rid="1")
     served(engine, p2, rid="2")
-    assert len(engine.prefix_cache) == 2
+    assert len(engine.admission.prefix_cache) == 2
     served(engine, p1 + [20], rid="1b")  # reuses row 1 (now most recently used) and keeps its own
-    kept = [r.tokens[: len(p1)] for r in engine.prefix_cache._rows.values()]
+    kept = [r.tokens[: len(p1)] for r in engine.admission.prefix_cache._rows.values()]
     assert p2 not in kept  # the new request's row came from evicting the least recent (p2)
     served(engine, p3, rid="3")
-    assert all(r.tokens[:12] != p2 for r in engine.prefix_cache._rows.values())
-    assert engine.prefix_cache.hit_tokens == len(p1)
+    assert all(r.tokens[:12] != p2 for r in engine.admission.prefix_cache._rows.values())
+    assert engine.admission.prefix_cache.hit_tokens == len(p1)
 
 
 def test_a_full_engine_takes_the_matching_row_over(fused):
@@ -256,7 +256,7 @@ def test_a_full_engine_takes_the_matching_row_over(fused):
     ref = served(Engine(fused, EngineConfig(max_model_len=64, max_num_seqs=1, enable_prefix_caching=False)),
                  a.context[:-1] + [50, 51], rid="b")
     assert b.output_ids == ref.output_ids
-    assert engine.prefix_cache.hit_tokens == len(a.context) - 1
+    assert engine.admission.prefix_cache.hit_tokens == len(a.context) - 1
 
 
 def test_kept_rows_count_against_the_budget_and_give_way(fused):
@@ -264,10 +264,10 @@ def test_kept_rows_count_against_the_budget_and_give_way(fused):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     served(engine, [3, 4, 5] * 4, params, "a")
     served(engine, [6, 7, 8] * 4, params, "b")
-    assert engine.prefix_cache.tokens_held == 2 * 19
+    assert engine.admission.prefix_cache.tokens_held == 2 * 19
     served(engine, [9, 10] * 6, params, "c")  # needs 20 slots beside 38 kept: the older row (a) goes
-    assert [r.tokens[:3] for r in engine.prefix_cache._rows.values()] == [[6, 7, 8], [9, 10, 9]]
-    assert engine.prefix_cache.tokens_held == 38 and engine.kv_reserved == 0
+    assert [r.tokens[:3] for r in engine.admission.prefix_cache._rows.values()] == [[6, 7, 8], [9, 10, 9]]
+    assert engine.admission.prefix_cache.tokens_held == 38 and engine.admission.kv_reserved == 0
 
 
 def test_a_hit_hands_drafters_the_hidden_rows_of_the_reused_prefix(fused):
@@ -280,7 +280,7 @@ def test_a_hit_hands_drafters_the_hidden_rows_of_the_reused_prefix(fused):
         return e, e.drafter.seen["b"][0]
 
     engine, with_hit = recorded(True)
-    assert engine.prefix_cache.hit_tokens > 10
+    assert engine.admission.prefix_cache.hit_tokens > 10
     _, without = recorded(False)
     for layer in without:
         assert torch.equal(with_hit[layer], without[layer])
@@ -297,15 +297,15 @@ def test_a_prompt_copies_the_prefix_a_running_request_holds_bit_for_bit(fused):
     late = shared.add_request(SYSTEM + [50, 51, 52, 53], GREEDY, "late")
     shared.step()
     assert late.prefilled >= len(SYSTEM)  # copied, then one chunk of its own
-    assert shared.prefix_cache.hit_tokens == len(SYSTEM)
+    assert shared.admission.prefix_cache.hit_tokens == len(SYSTEM)
     run(shared)
     alone = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=1))  # nothing to copy: computes it all
     ref = served(alone, SYSTEM + [50, 51, 52, 53], GREEDY, "late")
-    assert alone.prefix_cache.hit_tokens == 0
+    assert alone.admission.prefix_cache.hit_tokens == 0
     assert late.output_ids == ref.output_ids
     n = len(ref.context) - 1
-    (mine,) = [r for r in shared.prefix_cache._rows.values() if r.tokens == ref.context[:n]]
-    (theirs,) = alone.prefix_cache._rows.values()
+    (mine,) = [r for r in shared.admission.prefix_cache._rows.values() if r.tokens == ref.context[:n]]
+    (theirs,) = alone.admission.prefix_cache._rows.values()
     assert torch.equal(shared.cache.k[:, mine.seq, :, :n], alone.cache.k[:, theirs.seq, :, :n])
     assert torch.equal(shared.cache.v[:, mine.seq, :, :n], alone.cache.v[:, theirs.seq, :, :n])
 
@@ -320,7 +320,7 @@ def test_prompts_admitted_together_prefill_their_shared_prefix_once(fused):
         engine.add_request(prompt, params, rid)
     outputs, _ = run(engine)
     # p0's first chunk writes the shared prefix; the others copy it and compute only their own tokens
-    assert engine.prefix_cache.hit_tokens == 3 * len(SYSTEM)
+    assert engine.admission.prefix_cache.hit_tokens == 3 * len(SYSTEM)
     alone = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=1, enable_prefix_caching=False))
     for rid, prompt in prompts.items():
         assert outputs[rid] == served(alone, prompt, params, rid).output_ids
@@ -338,7 +338,7 @@ def test_a_copied_live_prefix_hands_drafters_its_hidden_rows(fused):
         return e, e.drafter.seen["b"][0]
 
     engine, copied = recorded(True)
-    assert engine.prefix_cache.hit_tokens == len(SYSTEM)
+    assert engine.admission.prefix_cache.hit_tokens == len(SYSTEM)
     _, computed = recorded(False)
     for layer in computed:
         assert torch.equal(copied[layer], computed[layer])
@@ -346,4 +346,4 @@ def test_a_copied_live_prefix_hands_drafters_its_hidden_rows(fused):
 
 def test_no_prefix_cache_off_the_batch_invariant_path():
     _, loaded = tiny_loaded("llama")
-    assert Engine(loaded, EngineConfig(max_model_len=64)).prefix_cache is None
+    assert Engine(loaded, EngineConfig(max_model_len=64)).admission.prefix_cache is None

@@ -154,7 +154,7 @@ def memory_summary(loaded, engine: Engine) -> str:
     """What the startup line says about memory: the weights, the KV cache's budget and the RSS."""
     cache = engine.cache
     weights = sum(t.numel() * t.element_size() for t in (*loaded.model.parameters(), *loaded.model.buffers()))
-    budget = engine.max_total_tokens
+    budget = engine.admission.max_total_tokens
     return (f"memory: weights {weights / 1e6:.0f} MB; KV cache up to {budget} tokens = "
             f"{budget * cache.bytes_per_token / 1e6:.0f} MB ({cache.bytes_per_token / 1e3:.1f} KB per token, "
             f"{cache.max_seqs} rows of {cache.max_len}; committed as requests write it, "

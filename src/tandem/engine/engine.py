@@ -22,8 +22,8 @@ from tandem.drafters import (
     TargetInfo,
     create_drafter,
 )
-from tandem.engine.prefix_cache import CachedRow, PrefixCache, longest_shared_prefix
-from tandem.engine.request import HiddenRows, Request
+from tandem.engine.admission import Admission
+from tandem.engine.request import Request
 from tandem.engine.rounds import RoundCounts, StepUpdate, chunk_inputs, round_origins
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
@@ -52,15 +52,7 @@ class Engine:
         self.cache = KVCache(cfg, config.max_num_seqs, config.max_model_len, loaded.dtype, config.device,
                              loaded.kv_dtype(config.device))
         self.runner = ModelRunner(loaded.model, self.cache)
-        # Admission reserves each request's most KV slots (prompt + max_tokens + a draft), so the
-        # running requests never outgrow the budget: nothing is preempted, new requests wait.
-        self.max_total_tokens = self.cache.token_budget(config.mem_fraction_static, config.max_total_tokens)
-        self.kv_reserved = 0
-        self._reservations: dict[str, int] = {}
-        # Finished requests' rows kept for reuse: exact only where a token's KV does not depend on
-        # how it was computed (the batch-invariant fused path). Their tokens count against the
-        # budget; the least recently used row is evicted when a request needs its room.
-        self.prefix_cache = PrefixCache() if config.enable_prefix_caching and self.runner.batch_invariant else None
+        self.admission = Admission(self.cache, config, self.runner.batch_invariant)
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -89,11 +81,11 @@ class Engine:
             )
         if params.max_tokens > budget:
             params = dataclasses.replace(params, max_tokens=budget)
-        need = self._kv_need(len(prompt_ids), params)
-        if need > self.max_total_tokens:
+        need = self.admission.kv_need(len(prompt_ids), params)
+        if need > self.admission.max_total_tokens:
             raise ValueError(
                 f"the request may hold {need} KV tokens (prompt + max_tokens + a draft); the engine holds at most "
-                f"{self.max_total_tokens} for all requests (max_total_tokens): ask for fewer max_tokens"
+                f"{self.admission.max_total_tokens} for all requests (max_total_tokens): ask for fewer max_tokens"
             )
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
@@ -125,7 +117,7 @@ class Engine:
         (whole prompts when nothing else decodes; see _prefill_chunks). Where a token's numbers do
         not depend on what shares its forward (the fused CPU path), both run in one forward: the
         weights are read once per step, not twice."""
-        self.prefilling.extend(self._admit())
+        self.prefilling.extend(self.admission.admit(self.waiting))
         chunks = self._prefill_chunks() if self.prefilling else []
         if self.runner.batch_invariant:
             updates = self._decode_round(chunks)
@@ -137,85 +129,6 @@ class Engine:
         self._maybe_log()
         return updates
 
-    def _admit(self) -> list[Request]:
-        """Waiting requests in arrival order, while a cache row is free and their KV slots fit
-        (kept prefix rows are evicted, least recently used first, to make room). A request whose
-        prompt starts like a kept row gets that prefix's KV and prefills only the rest."""
-        admitted = []
-        while self.waiting:
-            req = self.waiting[0]
-            need = self._kv_need(len(req.prompt_ids), req.params)
-            if not self._place(req, need):
-                break
-            self.waiting.popleft()
-            self.kv_reserved += need
-            self._reservations[req.request_id] = need
-            admitted.append(req)
-        return admitted
-
-    def _place(self, req: Request, need: int) -> bool:
-        """Give `req` a cache row, starting with the longest kept prefix of its prompt; False
-        when it must wait."""
-        row, hit = self.prefix_cache.longest_prefix(req.prompt_ids) if self.prefix_cache else (None, 0)
-        if row is None:
-            if not self._make_room(need, keep=None):
-                return False
-            req.seq = self.cache.allocate()
-        elif self._make_room(need, keep=row.seq):
-            req.seq = self.cache.allocate()
-            self.cache.copy_prefix(row.seq, req.seq, hit)
-        elif self.kv_reserved + self.prefix_cache.tokens_held - len(row.tokens) + need <= self.max_total_tokens:
-            # The matching row is the only one left to evict: the request takes it over.
-            req.seq = self.prefix_cache.take(row.seq).seq
-            self.cache.truncate(req.seq, hit)
-        else:
-            return False
-        if self.prefix_cache is not None:
-            self.prefix_cache.record(len(req.prompt_ids), hit, row)
-        if hit:
-            req.prefilled = hit
-            self._add_hidden(req, {layer: rows[:hit] for layer, rows in row.hidden.items()})
-        return True
-
-    def _fits(self, need: int) -> bool:
-        kept = self.prefix_cache.tokens_held if self.prefix_cache else 0
-        return self.kv_reserved + kept + need <= self.max_total_tokens
-
-    def _make_room(self, need: int, keep: int | None) -> bool:
-        """Evict kept rows (never row `keep`) until a row is free and `need` slots fit."""
-        while not (self.cache.num_free and self._fits(need)):
-            row = self.prefix_cache.evict(keep) if self.prefix_cache else None
-            if row is None:
-                return False
-            self.cache.release(row.seq)
-        return True
-
-    def _add_hidden(self, req: Request, rows: dict[int, torch.Tensor]) -> None:
-        """Hidden rows of tokens just written to the cache: for the drafter, and for the prefix
-        cache when it keeps them."""
-        if not rows:
-            return
-        req.pending_hidden.add(rows)
-        if self.prefix_cache is not None:
-            req.hidden_log.add(rows)
-
-    def _kv_need(self, prompt_len: int, params: SamplingParams) -> int:
-        """The most cache slots a request can hold: its prompt, every token it may generate and
-        one round's draft beyond the last."""
-        return min(self.config.max_model_len, prompt_len + params.max_tokens + self._draft_slots)
-
-    @property
-    def _draft_slots(self) -> int:
-        return self.config.spec.max_draft_len if self.drafter is not None else 0
-
-    def max_tokens_room(self, prompt_len: int) -> int:
-        """The most tokens a request with this prompt may ask for: what the context and the KV
-        budget (max_total_tokens) both leave."""
-        context = self.config.max_model_len - prompt_len
-        if self.max_total_tokens >= self.config.max_model_len:  # any request that fits the context fits
-            return context
-        return min(context, self.max_total_tokens - prompt_len - self._draft_slots)
-
     def _prefill_chunks(self) -> list[tuple[Request, int, int]]:
         """The prompt pieces (request, start, end) this step prefills.
 
@@ -226,11 +139,8 @@ class Engine:
         gives bit for bit the numbers of an unchunked one, which later verification compares
         against; elsewhere prompts always run whole.
         """
-        starting = [r for r in self.prefilling if not r.prefill_started]
-        if starting and self.prefix_cache is not None:
-            live = self._live_prefixes()
-            for req in starting:
-                self._share_live_prefix(req, [(r, tokens) for r, tokens in live if r is not req])
+        self.admission.share_live_prefixes([r for r in self.prefilling if not r.prefill_started],
+                                           self.running, self.prefilling)
         budget = self.config.chunked_prefill_size
         if not (budget and self.running and self.runner.batch_invariant):
             return [(r, r.prefilled, len(r.prompt_ids)) for r in self.prefilling]
@@ -242,28 +152,6 @@ class Engine:
             if budget == 0:
                 break
         return chunks
-
-    def _live_prefixes(self) -> list[tuple[Request, list[int]]]:
-        """The tokens whose KV each live row holds: a running request's context but its last
-        (sampled, not yet fed) token, a prefilling one's prefilled prompt."""
-        live = [(r, r.context[: min(self.cache.lengths[r.seq], len(r.context) - 1)]) for r in self.running]
-        return live + [(r, r.prompt_ids[: r.prefilled]) for r in self.prefilling]
-
-    def _share_live_prefix(self, req: Request, live: list[tuple[Request, list[int]]]) -> None:
-        """Before its prompt's first forward, a request copies the longest prefix of its prompt
-        that a live request's row already holds, when that beats its kept-row hit: a burst of
-        prompts sharing a system prompt with each other or with the running requests prefills it
-        once. Exact for the reason kept rows are (the KV of a token does not depend on what
-        computed it), so only where the prefix cache is on."""
-        best, best_len = longest_shared_prefix(req.prompt_ids, live, at_least=req.prefilled)
-        if best is None:
-            return
-        self.cache.truncate(req.seq, 0)
-        self.cache.copy_prefix(best.seq, req.seq, best_len)
-        self.prefix_cache.record_shared(best_len - req.prefilled)
-        req.prefilled = best_len
-        req.pending_hidden, req.hidden_log = HiddenRows(), HiddenRows()
-        self._add_hidden(req, best.hidden_log.first(best_len))
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
         """A forward of the chunks' prompt tokens alone (see _prefilled)."""
@@ -279,7 +167,7 @@ class Engine:
             b = first + i
             req.prefilled = end
             req.prefill_started = True
-            self._add_hidden(req, {layer: h[b] for layer, h in out.hidden.items()})
+            self.admission.add_hidden(req, {layer: h[b] for layer, h in out.hidden.items()})
             if end < len(req.prompt_ids):
                 continue
             self.prefilling.remove(req)
@@ -336,7 +224,7 @@ class Engine:
         token is the next input), then append the committed tokens."""
         kept_rows = [0] + [node + 1 for node in path]
         self.cache.keep(req.seq, kept_rows)
-        self._add_hidden(req, {layer: h[kept_rows] for layer, h in hidden.items()})
+        self.admission.add_hidden(req, {layer: h[kept_rows] for layer, h in hidden.items()})
         update, counted = self._commit(req, committed, RoundCounts.of(draft, len(path)), round_origins(draft, path))
         if self.policy is not None:
             self.policy.observe(req.request_id, counted.depth, counted.accepted)
@@ -430,23 +318,10 @@ class Engine:
         if req in self.prefilling:
             self.prefilling.remove(req)
         if req.seq is not None:
-            self._keep_or_release(req)
-            req.seq = None
-            self.kv_reserved -= self._reservations.pop(req.request_id)
+            self.admission.release(req)
         if self.drafter is not None:
             self.drafter.release(req.request_id)
             self.policy.release(req.request_id)
-
-    def _keep_or_release(self, req: Request) -> None:
-        """Keep a finished request's row for prefix reuse (its cache holds every token of its
-        context but the last, which was sampled and never fed), or free it."""
-        held = min(self.cache.lengths[req.seq], len(req.context) - 1)
-        if self.prefix_cache is None or req.finish_reason == "error" or held < 1:
-            self.cache.release(req.seq)
-            return
-        self.cache.truncate(req.seq, held)
-        hidden = {layer: rows[:held] for layer, rows in req.hidden_log.take().items()}
-        self.prefix_cache.add(CachedRow(req.seq, req.context[:held], hidden))
 
     def _maybe_log(self) -> None:
         now = time.perf_counter()

@@ -5,7 +5,7 @@ copies their keys and values instead of computing them again.
 Bookkeeping only; the engine copies the rows (KVCache.copy_prefix) and evicts the least recently
 used row when it needs a free row or the token budget. Reuse is exact only where a token's KV does
 not depend on how it was computed (prompt, decoding, verification, alone or batched): the fused
-CPU path, where the engine enables it (Engine.prefix_cache).
+CPU path, where admission enables it (Admission.prefix_cache).
 """
 
 from __future__ import annotations

@@ -253,11 +253,11 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
             raise APIError(400, f"max_tokens {body.max_tokens} + the prompt's {len(p)} tokens exceed this model's "
                                 f"context of {ctx.max_model_len} tokens: ask for at most {room}", param="max_tokens",
                            code="context_length_exceeded")
-        # Admission reserves prompt + max_tokens of KV cache (Engine.max_total_tokens for all requests).
-        kv_room = engine.max_tokens_room(len(p))
+        # Admission reserves prompt + max_tokens of KV cache (Admission.max_total_tokens for all requests).
+        kv_room = engine.admission.max_tokens_room(len(p))
         if kv_room < 1 or (body.max_tokens is not None and body.max_tokens > kv_room):
             raise APIError(400, f"the prompt's {len(p)} tokens and max_tokens {body.max_tokens} exceed the KV cache this "
-                                f"server holds for all requests ({engine.max_total_tokens} tokens, --max-total-tokens): "
+                                f"server holds for all requests ({engine.admission.max_total_tokens} tokens, --max-total-tokens): "
                                 f"ask for at most {max(kv_room, 0)} tokens", param="max_tokens",
                            code="context_length_exceeded")
         room = kv_room

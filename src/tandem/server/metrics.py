@@ -73,11 +73,11 @@ class ServerMetrics:
         self.running.set(len(engine.running) + len(engine.prefilling))
         self.waiting.set(len(engine.waiting))
         held = engine.cache.tokens_held
-        self.kv_usage.set(held / engine.max_total_tokens)
-        self.kv_reserved.set(engine.kv_reserved / engine.max_total_tokens)
+        self.kv_usage.set(held / engine.admission.max_total_tokens)
+        self.kv_reserved.set(engine.admission.kv_reserved / engine.admission.max_total_tokens)
         self.kv_bytes.set(held * engine.cache.bytes_per_token)
-        if engine.prefix_cache is not None:
-            queried, hits = engine.prefix_cache.queried_tokens, engine.prefix_cache.hit_tokens
+        if engine.admission.prefix_cache is not None:
+            queried, hits = engine.admission.prefix_cache.queried_tokens, engine.admission.prefix_cache.hit_tokens
             self.prefix_queries.inc(queried - self._prefix_seen[0])
             self.prefix_hits.inc(hits - self._prefix_seen[1])
             self._prefix_seen = (queried, hits)
