@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from tandem.types import TOKEN_ORIGINS, Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
@@ -262,9 +262,10 @@ def test_the_page_streams_an_answer_coloured_by_who_wrote_it(suffix_server):
 
 
 @pytest.mark.slow
-def test_the_page_on_the_default_model_and_drafter():
+def test_the_page_on_the_default_model_and_drafter(tmp_path):
     """The real default model and its drafter at a fixed draft length (the adaptive policy may
-    rightly draft nothing on a slow CPU); the screenshot the README shows."""
+    rightly draft nothing on a slow CPU). With TANDEM_PLAYGROUND_SCREENSHOT=results/serve/playground.png
+    it writes the screenshot the README shows; a plain run leaves the repository alone."""
     from tandem.launch_server import add_serve_args, build_server_app, configs_from_args, serve_in_background
 
     parser = argparse.ArgumentParser()
@@ -275,11 +276,11 @@ def test_the_page_on_the_default_model_and_drafter():
     try:
         prompt = ("Repeat this list twice, exactly: apples, pears, plums, cherries, grapes, figs, "
                   "lemons, limes, oranges, peaches.")
-        shown = run_page(server.url.removesuffix("/v1"), prompt, timeout_s=300,
-                         screenshot=RESULTS / "serve" / "playground.png")
+        shot = Path(os.environ.get("TANDEM_PLAYGROUND_SCREENSHOT") or tmp_path / "playground.png")
+        shown = run_page(server.url.removesuffix("/v1"), prompt, timeout_s=300, screenshot=shot)
     finally:
         server.stop()
     assert shown["error"] == ""
     assert shown["answer"]
     assert {"accepted", "target"} & set(shown["origins"]) and "accepted" in shown["origins"]
-    assert (RESULTS / "serve" / "playground.png").stat().st_size > 10_000
+    assert shot.stat().st_size > 10_000

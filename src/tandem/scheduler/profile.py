@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -61,8 +62,13 @@ def load_profile(path: str | Path) -> CostCurve:
 
 
 def save_profile(curve: CostCurve, path: str | Path, meta: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**meta, "sizes": list(curve.sizes), "seconds": list(curve.seconds)}, indent=1))
+    """Written beside the target and renamed: a server or test starting meanwhile reads the old
+    profile or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**meta, "sizes": list(curve.sizes), "seconds": list(curve.seconds)}, indent=1))
+    os.replace(tmp, path)
 
 
 def cost_curve_for(
