@@ -10,7 +10,7 @@ import pytest
 import tandem.scheduler.profile as profile_module
 from conftest import tiny_loaded
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.profile import PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for, load_profile
+from tandem.scheduler.profile import PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for, load_profile, save_profile
 
 
 def test_monotone_takes_the_running_minimum_from_the_right():
@@ -50,6 +50,25 @@ def test_a_broken_profile_says_how_to_recover(tmp_path):
     bad.write_text('{"sizes": [1, 2], "seconds": [0.1]}')
     with pytest.raises(ValueError, match="--reprofile"):
         load_profile(bad)
+
+
+def test_a_save_replaces_the_profile_whole(tmp_path, monkeypatch):
+    """A server starting while another saves reads the old profile or the new one, never half of
+    one: the new text is written beside the file and renamed over it."""
+    path = tmp_path / "profile.json"
+    save_profile(CostCurve((1, 2), (0.1, 0.2)), path, {"model": "old"})
+    seen = []
+    rename = profile_module.os.replace
+
+    def watching(src, dst):
+        seen.append((json.loads(path.read_text())["model"], json.loads(open(src).read())["model"]))
+        rename(src, dst)
+
+    monkeypatch.setattr(profile_module.os, "replace", watching)
+    save_profile(CostCurve((1, 2), (0.3, 0.4)), path, {"model": "new"})
+    assert seen == [("old", "new")]  # until the rename, readers see the whole old profile
+    assert load_profile(path).as_points() == {1: 0.3, 2: 0.4}
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]  # no temporary file left
 
 
 def test_the_profile_key_names_the_kernels_and_the_cpu(monkeypatch):
