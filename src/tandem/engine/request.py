@@ -31,14 +31,18 @@ class HiddenRows:
             self._rows.setdefault(layer, []).append(h)
 
     def take(self) -> dict[int, torch.Tensor]:
-        rows, self._rows = self._rows, {}
-        return {layer: parts[0] if len(parts) == 1 else torch.cat(parts) for layer, parts in rows.items()}
+        joined = self._joined()
+        self._rows = {}
+        return joined
 
     def first(self, n: int) -> dict[int, torch.Tensor]:
         """The first n rows of every layer, leaving them held (joined into one piece)."""
-        joined = {layer: parts[0] if len(parts) == 1 else torch.cat(parts) for layer, parts in self._rows.items()}
+        joined = self._joined()
         self._rows = {layer: [h] for layer, h in joined.items()}
         return {layer: h[:n] for layer, h in joined.items()}
+
+    def _joined(self) -> dict[int, torch.Tensor]:
+        return {layer: parts[0] if len(parts) == 1 else torch.cat(parts) for layer, parts in self._rows.items()}
 
 
 @dataclass

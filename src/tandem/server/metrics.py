@@ -72,12 +72,12 @@ class ServerMetrics:
         """After a step (engine thread): gauges and the speculation counters' increments."""
         self.running.set(len(engine.running) + len(engine.prefilling))
         self.waiting.set(len(engine.waiting))
-        held = engine.cache.tokens_held
-        self.kv_usage.set(held / engine.admission.max_total_tokens)
-        self.kv_reserved.set(engine.admission.kv_reserved / engine.admission.max_total_tokens)
+        held, admission = engine.cache.tokens_held, engine.admission
+        self.kv_usage.set(held / admission.max_total_tokens)
+        self.kv_reserved.set(admission.kv_reserved / admission.max_total_tokens)
         self.kv_bytes.set(held * engine.cache.bytes_per_token)
-        if engine.admission.prefix_cache is not None:
-            queried, hits = engine.admission.prefix_cache.queried_tokens, engine.admission.prefix_cache.hit_tokens
+        if admission.prefix_cache is not None:
+            queried, hits = admission.prefix_cache.queried_tokens, admission.prefix_cache.hit_tokens
             self.prefix_queries.inc(queried - self._prefix_seen[0])
             self.prefix_hits.inc(hits - self._prefix_seen[1])
             self._prefix_seen = (queried, hits)
