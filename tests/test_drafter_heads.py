@@ -36,6 +36,9 @@ METHODS = {
     "dspark": ("dspark", dict(block_size=5, anchors_per_sequence=12, rank=32), 60, 5e-3),
 }
 PROMPTS = [[5, 17, 33, 8, 91, 4], [60, 61, 62], [7] * 11 + [12, 13]]
+# The second prompt's first answer, then the prompt again: the target's answer cycles through tokens
+# its context holds, so the suffix lookup drafts several of them.
+COPYING_PROMPTS = [[60, 61, 62, 60] + [71] * 13 + [80, 68, 68, 68, 68, 68, 60, 61, 62], PROMPTS[0]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
@@ -71,8 +74,9 @@ def make_llm(variant: str | None, path=None, k: int = 3, max_num_seqs: int = 4, 
 
 
 @functools.lru_cache(maxsize=None)
-def plain(params: SamplingParams = GREEDY) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(o.token_ids) for o in make_llm(None).generate(PROMPTS, params))
+def plain(params: SamplingParams = GREEDY, prompts: tuple[tuple[int, ...], ...] | None = None) -> tuple[tuple[int, ...], ...]:
+    prompts = PROMPTS if prompts is None else [list(p) for p in prompts]
+    return tuple(tuple(o.token_ids) for o in make_llm(None).generate(prompts, params))
 
 
 @pytest.mark.parametrize("variant", list(METHODS))
@@ -260,7 +264,7 @@ def test_engine_drafts_match_a_cache_free_recomputation(variant, saved):
     """Across rounds with rejections, every draft must be the head's chain recomputed from
     scratch on the committed context: the cache held exactly the true features' keys, and the
     draft steps' keys were dropped."""
-    llm = make_llm(variant, saved(variant), k=3)
+    llm = make_llm(variant, saved(variant), k=3, lookup=False)
     drafter = llm.engine.drafter
 
     def settled(inp, draft):  # the caches hold exactly the settled positions again
@@ -271,8 +275,48 @@ def test_engine_drafts_match_a_cache_free_recomputation(variant, saved):
         assert draft.token_ids == cache_free_chain(head, p, llm, ids, len(draft))
 
 
-def recorded_drafts(llm: LLM, check=None) -> list[tuple[list[int], object]]:
-    """Every (context, draft) the engine's drafter proposed while generating PROMPTS greedily,
+@pytest.mark.parametrize("variant", ["eagle", "eagle3", "eagle3-small"])
+def test_a_chain_takes_long_lookup_drafts_and_the_head_catches_up_after(variant, saved):
+    """With the lookup on, a chain's draft is the suffix lookup's when that has LOOKUP_MIN_TOKENS
+    tokens or more, else the head's. A round the head sat out leaves its rows waiting, not lost:
+    every head draft is still its chain recomputed from scratch on the committed context."""
+    from tandem.drafters.eagle import LOOKUP_MIN_TOKENS
+
+    llm = make_llm(variant, saved(variant), k=3)
+    drafter = llm.engine.drafter
+    looked, sources, last_source = {}, [], {}
+    lookup_propose = drafter.lookup.propose
+
+    def recording_lookup(inputs):
+        drafts = lookup_propose(inputs)
+        for inp, d in zip(inputs, drafts):
+            looked[inp.request_id, len(inp.token_ids)] = d.token_ids
+        return drafts
+
+    def check(inp, draft):
+        lookup = looked[inp.request_id, len(inp.token_ids)]
+        cache = drafter.caches[inp.request_id]
+        if len(lookup) >= LOOKUP_MIN_TOKENS:
+            assert draft.token_ids == lookup
+            waiting = len(next(iter(drafter.pending[inp.request_id][0].values())))
+            sources.append("lookup")
+        else:
+            waiting = 0
+            sources.append("head" if last_source.get(inp.request_id) != "lookup" else "head after lookup")
+        last_source[inp.request_id] = sources[-1]
+        assert cache.length + waiting == expected_lengths(drafter, inp)[0]
+
+    drafter.lookup.propose = recording_lookup
+    seen = recorded_drafts(llm, check, COPYING_PROMPTS)
+    assert {"lookup", "head after lookup"} <= set(sources)
+    head, p = drafter.head, parts()
+    for (ids, draft), source in zip(seen, sources):
+        if source != "lookup":
+            assert draft.token_ids == cache_free_chain(head, p, llm, ids, len(draft))
+
+
+def recorded_drafts(llm: LLM, check=None, prompts=PROMPTS) -> list[tuple[list[int], object]]:
+    """Every (context, draft) the engine's drafter proposed while generating `prompts` greedily,
     with check(input, draft) run on each as it is proposed; the output must equal plain
     decoding's and some (not all) drafts must pass."""
     drafter, seen = llm.engine.drafter, []
@@ -287,8 +331,8 @@ def recorded_drafts(llm: LLM, check=None) -> list[tuple[list[int], object]]:
         return drafts
 
     drafter.propose = recording
-    out = llm.generate(PROMPTS, GREEDY)
-    assert tuple(tuple(o.token_ids) for o in out) == plain()
+    out = llm.generate(prompts, GREEDY)
+    assert tuple(tuple(o.token_ids) for o in out) == plain(GREEDY, tuple(map(tuple, prompts)))
     assert 0 < llm.engine.stats.acceptance_rate < 1
     return seen
 

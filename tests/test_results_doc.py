@@ -52,7 +52,7 @@ def _spec_report(subtasks, date="2026-12-02 10:00 UTC", transformers=True, limit
         "methods": [
             {"label": "suffix", "algorithm": "suffix", "draft_path": None, "num_draft_tokens": 4},
             {"label": "eagle3@k=16@topk=4@steps=5", "algorithm": "eagle3", "draft_path": None,
-             "num_draft_tokens": 16, "eagle_topk": 4, "num_steps": 5, "tree_lookup": True},
+             "num_draft_tokens": 16, "eagle_topk": 4, "num_steps": 5, "lookup": True},
         ],
         "transformers": {"dtype": "float32", "prompt_lookup_num_tokens": 10,
                          "assisted": {"model": None, "applicable": False, "reason": "none smaller"}}

@@ -459,9 +459,9 @@ def test_tree_launch_flags_reach_the_spec_config():
     add_serve_args(parser)
     args = parser.parse_args([
         "--speculative-algorithm", "eagle3", "--speculative-num-draft-tokens", "16",
-        "--speculative-eagle-topk", "4", "--speculative-num-steps", "6", "--no-speculative-tree-lookup",
+        "--speculative-eagle-topk", "4", "--speculative-num-steps", "6", "--no-speculative-lookup",
     ])
     spec = configs_from_args(args)[0].spec
     assert (spec.algorithm, spec.num_draft_tokens, spec.eagle_topk, spec.num_steps) == ("eagle3", 16, 4, 6)
-    assert spec.tree and not spec.tree_lookup and spec.max_draft_len == 6
-    assert configs_from_args(parser.parse_args([]))[0].spec.tree_lookup
+    assert spec.tree and not spec.lookup and spec.max_draft_len == 6
+    assert configs_from_args(parser.parse_args([]))[0].spec.lookup

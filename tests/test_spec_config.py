@@ -23,7 +23,7 @@ def test_generate_flags_become_one_spec_config():
     args = build_parser().parse_args(["generate", "--speculative-algorithm", "eagle3", "--speculative-eagle-topk", "4",
                                       "--speculative-num-steps", "3", "--no-speculative-tree-lookup"])
     assert SpecConfig.from_prefixed(vars(args)) == SpecConfig(algorithm="eagle3", eagle_topk=4, num_steps=3,
-                                                              tree_lookup=False)
+                                                              lookup=False)
 
 
 def test_serve_flags_carry_the_policy_and_the_default_drafter():

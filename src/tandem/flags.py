@@ -43,8 +43,10 @@ def add_spec_args(p: argparse.ArgumentParser,
     p.add_argument("--speculative-eagle-topk", type=int, default=1,
                    help="1: chain drafts; > 1: eagle/eagle3 draft EAGLE-2 trees with this many children per "
                         "expanded node and this many nodes expanded per depth")
-    p.add_argument("--speculative-tree-lookup", action=argparse.BooleanOptionalAction, default=True,
-                   help="trees also get a suffix-lookup branch (copies from the context)")
+    p.add_argument("--speculative-lookup", "--speculative-tree-lookup", dest="speculative_lookup",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="eagle/eagle3 also ask the suffix lookup (copies from the context): a tree grafts its "
+                        "draft on as a branch, a chain uses it instead of the head's when it has 2+ tokens")
     p.add_argument("--speculative-policy", default=None, choices=SPEC_POLICIES,
                    help="fixed: always --speculative-num-draft-tokens (default of generate and audit); adaptive "
                         "(default of serve): the draft length per request per step from load, cost curve and "

@@ -60,21 +60,21 @@ DEFINITIONS = {
 @dataclass(frozen=True)
 class Method:
     """A tandem drafter to benchmark: a registry name, the file it needs (if any), its k (None:
-    the run's default) and, for trees, its top-k, depth and lookup branch."""
+    the run's default) and, for EAGLE drafters, top-k, depth and whether they consult the lookup."""
 
     algorithm: str
     draft_path: str | None = None
     num_draft_tokens: int | None = None
     eagle_topk: int = 1
     num_steps: int | None = None
-    tree_lookup: bool = True
+    lookup: bool = True
     scheduled: bool = False  # verified under the confidence scheduler (dspark), not the full draft
 
     def spec_config(self, num_draft_tokens: int) -> SpecConfig:
         """The engine settings of this method, drafting `num_draft_tokens` unless it names its own."""
         return SpecConfig(algorithm=self.algorithm, num_draft_tokens=self.num_draft_tokens or num_draft_tokens,
                           draft_model_path=self.draft_path, eagle_topk=self.eagle_topk, num_steps=self.num_steps,
-                          tree_lookup=self.tree_lookup, policy="confidence" if self.scheduled else "fixed")
+                          lookup=self.lookup, policy="confidence" if self.scheduled else "fixed")
 
     @property
     def label(self) -> str:
@@ -87,7 +87,7 @@ class Method:
             name += f"@topk={self.eagle_topk}"
         if self.num_steps is not None:
             name += f"@steps={self.num_steps}"
-        if self.eagle_topk > 1 and not self.tree_lookup:
+        if not self.lookup:
             name += "@lookup=0"
         if self.scheduled:
             name += "@sched=1"
@@ -95,7 +95,7 @@ class Method:
 
 
 # NAME[=PATH]@key=value options of --methods, and the Method field each sets.
-METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_steps", "lookup": "tree_lookup",
+METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_steps", "lookup": "lookup",
                   "sched": "scheduled"}
 
 
@@ -262,7 +262,7 @@ def run_spec_bench(
         "num_prompts": len(cases),
         "methods": [{"label": m.label, "algorithm": m.algorithm, "draft_path": m.draft_path,
                      "num_draft_tokens": m.num_draft_tokens or num_draft_tokens, "eagle_topk": m.eagle_topk,
-                     "num_steps": m.num_steps, "tree_lookup": m.tree_lookup} for m in methods],
+                     "num_steps": m.num_steps, "lookup": m.lookup} for m in methods],
         "transformers": baselines.describe() if baselines else None,
         "definitions": DEFINITIONS,
         "machine": machine_info(),

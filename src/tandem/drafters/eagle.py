@@ -8,6 +8,12 @@ has seen. Each round (docs/algorithms.md section 3):
 2. step s >= 1 feeds (draft token s, the layer's own previous output) at the next position;
 3. the draft steps' cache slots are dropped again: next round's keys come from true features.
 
+With --speculative-lookup (the default) a chain first asks the suffix drafter: when its lookup
+draft has LOOKUP_MIN_TOKENS tokens or more, the round proposes that draft and the head does not
+run; the round's new hidden rows wait, and the next round the head drafts in catches up on
+them all in one forward, so its cache still holds exactly the true features before the context
+(a round the engine skipped breaks that chain of rows, and the cache restarts as below).
+
 With --speculative-eagle-topk K > 1 the drafter grows an EAGLE-2 tree instead: the root's top K
 tokens form depth 1; at each further depth the K nodes with the highest path log-probability
 (draft confidence) are fed through the layer at once, each seeing the prefix and its own path,
@@ -30,6 +36,13 @@ from tandem.drafters.suffix import SuffixDrafter
 from tandem.sampling import all_finite
 from tandem.types import Draft
 
+# A chain takes the suffix lookup's draft over the head's when the lookup has at least this many
+# tokens: one-token lookup drafts come from the weakest matches, and the head's first token is
+# accepted more often. Spec-Bench, 12 prompts, k = 4, SmolLM2 (docs/drafters.md): every lookup
+# draft taken gave tau 1.76, two tokens or more 2.00, three or more 2.06, the head alone 1.84;
+# with 3 a chain of k = 2 could never use the lookup.
+LOOKUP_MIN_TOKENS = 2
+
 
 @register("eagle")
 class EagleDrafter(HeadDrafter):
@@ -39,8 +52,9 @@ class EagleDrafter(HeadDrafter):
         super().__init__(spec, target)
         self.caches: dict[str, RowCache] = {}
         self.native = NativeBlock.of(self.head.block)
+        self.pending: dict[str, tuple[dict[int, torch.Tensor], int]] = {}
         self.lookup = None
-        if spec.tree and spec.tree_lookup:
+        if spec.lookup:
             self.lookup = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1), target)
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
@@ -49,6 +63,7 @@ class EagleDrafter(HeadDrafter):
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
+        self.pending.pop(request_id, None)
         if self.lookup is not None:
             self.lookup.release(request_id)
 
@@ -69,7 +84,17 @@ class EagleDrafter(HeadDrafter):
                 # The lookup branch's nodes come out of the tree's budget.
                 drafts[i] = self._propose_tree(batch[i], self.spec.num_draft_tokens - len(branch)).with_branch(branch)
             return drafts
-        inputs = [batch[i] for i in rows]
+        inputs = [self._with_pending(batch[i]) for i in rows]
+        if self.lookup is not None:
+            looked = self.lookup.propose(inputs)
+            for i, inp, draft in zip(rows, inputs, looked):
+                if len(draft) >= LOOKUP_MIN_TOKENS:
+                    drafts[i] = draft
+                    self._defer(inp)
+            kept = [j for j, draft in enumerate(looked) if len(draft) < LOOKUP_MIN_TOKENS]
+            rows, inputs = [rows[j] for j in kept], [inputs[j] for j in kept]
+            if not rows:
+                return drafts
         seen = [self.seen_ids(inp) for inp in inputs]
         budgets = [min(self.spec.num_draft_tokens, inp.max_draft_tokens) for inp in inputs]
         caches = [self._catch_up_cache(inp) for inp in inputs]
@@ -150,6 +175,23 @@ class EagleDrafter(HeadDrafter):
             frontier, frontier_scores = expand, child_scores[best]
         cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
         return best_subtree(tokens, parents, scores, size)
+
+    def _defer(self, inp: DraftInput) -> None:
+        """Keep the request's new hidden rows for the next round the head drafts in."""
+        self.pending[inp.request_id] = ({layer: inp.hidden[layer] for layer in self.head.serving_layers},
+                                        len(inp.token_ids) - 1)
+
+    def _with_pending(self, inp: DraftInput) -> DraftInput:
+        """inp with the hidden rows deferred in earlier lookup rounds put before its own, when
+        they end where its own begin."""
+        pending = self.pending.pop(inp.request_id, None)
+        if pending is None:
+            return inp
+        rows, end = pending
+        layers = self.head.serving_layers
+        if end != len(inp.token_ids) - 1 - len(inp.hidden[layers[0]]):
+            return inp
+        return dataclasses.replace(inp, hidden={layer: torch.cat([rows[layer], inp.hidden[layer]]) for layer in layers})
 
     def _catch_up_cache(self, inp: DraftInput) -> RowCache:
         """The request's cache, holding exactly the positions before its new hidden rows. Rows
