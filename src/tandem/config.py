@@ -99,9 +99,9 @@ class SpecConfig:
     nodes kept (the root, the last committed token, not counted). lookup: an EAGLE drafter also
     asks the suffix drafter (model-free; it wins where the answer copies its context:
     translation, summaries, RAG): a tree gets its draft grafted on as one more branch, a chain
-    takes its draft instead of the head's when it has at least 2 tokens (drafters/eagle.py). policy: "fixed" drafts the
-    full length every round; "adaptive" picks each request's length (a tree's depth) per round
-    from the load, the measured cost curve and its acceptance; "confidence" (DSpark's scheduler,
+    takes its draft instead of the head's when it has at least 2 tokens (drafters/eagle.py).
+    policy: "fixed" drafts the full length every round; "adaptive" picks each request's length
+    (a tree's depth) per round from the load, the measured cost curve and its acceptance; "confidence" (DSpark's scheduler,
     for drafters that report calibrated confidences) admits each draft's verified prefix after
     drafting from the confidences of the whole batch and the cost curve. min_survival: after proposal, a
     chain whose drafter reports confidences is cut where the product of its confidences falls
