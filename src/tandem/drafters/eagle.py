@@ -52,7 +52,9 @@ class EagleDrafter(HeadDrafter):
         super().__init__(spec, target)
         self.caches: dict[str, RowCache] = {}
         self.native = NativeBlock.of(self.head.block)
-        self.pending: dict[str, tuple[dict[int, torch.Tensor], int]] = {}
+        # request -> (hidden rows of the lookup rounds since the head last drafted, as pieces;
+        # the position after the last of them)
+        self.pending: dict[str, tuple[list[dict[int, torch.Tensor]], int]] = {}
         self.lookup = None
         if spec.lookup:
             self.lookup = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1), target)
@@ -84,7 +86,7 @@ class EagleDrafter(HeadDrafter):
                 # The lookup branch's nodes come out of the tree's budget.
                 drafts[i] = self._propose_tree(batch[i], self.spec.num_draft_tokens - len(branch)).with_branch(branch)
             return drafts
-        inputs = [self._with_pending(batch[i]) for i in rows]
+        inputs = [batch[i] for i in rows]
         if self.lookup is not None:
             looked = self.lookup.propose(inputs)
             for i, inp, draft in zip(rows, inputs, looked):
@@ -95,6 +97,7 @@ class EagleDrafter(HeadDrafter):
             rows, inputs = [rows[j] for j in kept], [inputs[j] for j in kept]
             if not rows:
                 return drafts
+        inputs = [self._with_pending(inp) for inp in inputs]
         seen = [self.seen_ids(inp) for inp in inputs]
         budgets = [min(self.spec.num_draft_tokens, inp.max_draft_tokens) for inp in inputs]
         caches = [self._catch_up_cache(inp) for inp in inputs]
@@ -176,22 +179,28 @@ class EagleDrafter(HeadDrafter):
         cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
         return best_subtree(tokens, parents, scores, size)
 
+    def _rows_start(self, inp: DraftInput) -> int:
+        """The position of the first of inp's new hidden rows."""
+        return len(inp.token_ids) - 1 - len(inp.hidden[self.head.serving_layers[0]])
+
     def _defer(self, inp: DraftInput) -> None:
-        """Keep the request's new hidden rows for the next round the head drafts in."""
-        self.pending[inp.request_id] = ({layer: inp.hidden[layer] for layer in self.head.serving_layers},
-                                        len(inp.token_ids) - 1)
+        """Keep the request's new hidden rows for the next round the head drafts in (as pieces,
+        joined once then; rows that do not follow the waiting ones replace them)."""
+        pieces, end = self.pending.get(inp.request_id, ([], None))
+        if end != self._rows_start(inp):
+            pieces = []
+        pieces.append({layer: inp.hidden[layer] for layer in self.head.serving_layers})
+        self.pending[inp.request_id] = (pieces, len(inp.token_ids) - 1)
 
     def _with_pending(self, inp: DraftInput) -> DraftInput:
-        """inp with the hidden rows deferred in earlier lookup rounds put before its own, when
-        they end where its own begin."""
-        pending = self.pending.pop(inp.request_id, None)
-        if pending is None:
+        """inp with the rows waiting from earlier lookup rounds put before its own, when they end
+        where its own begin."""
+        pieces, end = self.pending.pop(inp.request_id, ([], None))
+        if not pieces or end != self._rows_start(inp):
             return inp
-        rows, end = pending
         layers = self.head.serving_layers
-        if end != len(inp.token_ids) - 1 - len(inp.hidden[layers[0]]):
-            return inp
-        return dataclasses.replace(inp, hidden={layer: torch.cat([rows[layer], inp.hidden[layer]]) for layer in layers})
+        return dataclasses.replace(inp, hidden={layer: torch.cat([p[layer] for p in pieces] + [inp.hidden[layer]])
+                                                for layer in layers})
 
     def _catch_up_cache(self, inp: DraftInput) -> RowCache:
         """The request's cache, holding exactly the positions before its new hidden rows. Rows
