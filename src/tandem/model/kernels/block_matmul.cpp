@@ -57,7 +57,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kLanes = TANDEM_LANES;
-constexpr int kRowTile = 8;  // activation rows per pass over a group's weights
+constexpr int kRowTile = 8;  // activation rows per pass over a group's weights, at most
 
 // ---- the vector type of one variant ---------------------------------------------------------
 
@@ -412,8 +412,12 @@ void packed_matmul(const LinearCall& c, const QuantizedRows& xq) {
   for (int64_t g = 0; g < groups; ++g) {
     alignas(64) float sums[kRowTile * kLanes];
     const int64_t r0 = g * kLanes, lanes = std::min<int64_t>(kLanes, N - r0);
-    for (int64_t i0 = 0; i0 < n; i0 += kRowTile) {
-      const int64_t rows = std::min<int64_t>(kRowTile, n - i0);
+    // Tiles of equal size (9 rows: 5 + 4, not 8 + 1): a tile of one or two rows waits on its
+    // multiply-adds' latency while its weights already sit in L1. Which tile a row falls in
+    // changes none of its arithmetic.
+    const int64_t tiles = (n + kRowTile - 1) / kRowTile, per_tile = (n + tiles - 1) / tiles;
+    for (int64_t i0 = 0; i0 < n; i0 += per_tile) {
+      const int64_t rows = std::min<int64_t>(per_tile, n - i0);
       switch (rows) {
         case 1: group_rows<kQ4, 1>(w, g, xq, i0, sums); break;
         case 2: group_rows<kQ4, 2>(w, g, xq, i0, sums); break;
