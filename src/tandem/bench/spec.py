@@ -368,7 +368,7 @@ def _tables(cases, runs, hf_runs, temperature) -> dict:
         "prompts": [
             {"category": c.category, "question_id": c.question_id, "prompt_tokens": len(c.prompt_ids),
              "generated": {name: len(r[i].token_ids) for name, r in all_runs.items()},
-             "seconds": {name: round(r[i].seconds, 4) for name, r in all_runs.items()}}
+             "seconds": {name: round(r[i].seconds, 6) for name, r in all_runs.items()}}
             for i, c in enumerate(cases)
         ],
     }
