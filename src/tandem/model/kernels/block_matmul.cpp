@@ -58,12 +58,10 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int kLanes = TANDEM_LANES;
 constexpr int kRowTile = 8;  // activation rows per pass over a group's weights, at most
-// How far ahead group_rows asks for weights: all of a block's cache lines (4-8) and its scales,
-// 16 blocks (2-8 KB) ahead. The hardware prefetchers alone kept the weight stream from memory fed
-// only while the loop was as fast as the stream; with 8 activation rows per block they did not,
-// and a tile waited on memory instead of overlapping with it. Measured on a Zen 5 (one thread, a
-// 50 MB q4 layer): 8 rows 2.3x and 1 row 1.2-1.6x faster than a prefetch of one line 4 blocks
-// ahead; addresses past the end of the weights are harmless (a prefetch never faults).
+// group_rows prefetches every cache line (4-8) and the scales of the block this many blocks
+// ahead: with several activation rows per block the loop runs slower than memory, and the
+// hardware prefetchers alone then let each tile wait on the weight stream (docs/kernels.md,
+// "Zen 5 again": an extra verified row at half the cost).
 constexpr int64_t kPrefetchBlocks = 16;
 
 // ---- the vector type of one variant ---------------------------------------------------------
@@ -397,13 +395,11 @@ void group_rows(const Weights& w, int64_t g, const QuantizedRows& xq, int64_t i0
   for (int i = 0; i < R; ++i) acc[i] = vzerof();
   BlockRegs<kQ4> regs;
   for (int64_t b = 0; b < nb; ++b) {
-    {  // every cache line of the block kPrefetchBlocks ahead, and its scales (see kPrefetchBlocks);
-       // integer addresses, as they may lie past the end of the weights
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(wg) + (b + kPrefetchBlocks) * block_bytes;
-      for (int64_t line = 0; line < block_bytes; line += 64) prefetch(ahead + line);
-      prefetch(reinterpret_cast<uintptr_t>(dg) + (b + kPrefetchBlocks) * kLanes * sizeof(uint16_t));
-      if constexpr (kQ4) prefetch(reinterpret_cast<uintptr_t>(mg) + (b + kPrefetchBlocks) * kLanes * sizeof(uint16_t));
-    }
+    // Integer addresses: near the end they lie past the weights (a prefetch never faults).
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(wg) + (b + kPrefetchBlocks) * block_bytes;
+    for (int64_t line = 0; line < block_bytes; line += 64) prefetch(ahead + line);
+    prefetch(reinterpret_cast<uintptr_t>(dg) + (b + kPrefetchBlocks) * kLanes * sizeof(uint16_t));
+    if constexpr (kQ4) prefetch(reinterpret_cast<uintptr_t>(mg) + (b + kPrefetchBlocks) * kLanes * sizeof(uint16_t));
     regs.load(wg + b * block_bytes);
     const vf dv = vloadh(dg + b * kLanes);
     const vf mv = kQ4 ? vloadh(mg + b * kLanes) : vzerof();
