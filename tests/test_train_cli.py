@@ -106,7 +106,7 @@ def test_train_cli_capture_in_memory_writes_no_hidden_states(tiny_target, tmp_pa
 
 def test_train_cli_init_from_fine_tunes_an_exported_head(tiny_target, tmp_path, capsys):
     from tandem.drafters.heads.base import TargetParts
-    from tandem.drafters.heads.io import load_head
+    from tandem.drafters.heads.io import load_head, read_head_config
     from tandem.model.loader import load_model
 
     assert main(_argv(tiny_target, tmp_path, "--steps", "3")) == 0
@@ -124,7 +124,8 @@ def test_train_cli_init_from_fine_tunes_an_exported_head(tiny_target, tmp_path, 
     for name in before:
         torch.testing.assert_close(after[name], before[name])  # started from the exported weights
     record = json.loads((tmp_path / "out" / "training_record.json").read_text())
-    assert record["training"]["init_from"] == str(first) and record["method_options"] == {}
+    assert record["training"]["init_from"] == str(first)
+    assert record["method_options"] == read_head_config(first)["config"]  # the options the head came with
     history = json.loads((tmp_path / "out" / "metrics.json").read_text())["history"]
     assert history[0]["step"] == 0 and "eval" in history[0]  # the starting head is evaluated too
     # The head's options come with it; another method's head is refused.

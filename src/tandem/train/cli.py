@@ -98,7 +98,7 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--capture-quantization", default="auto", choices=QUANTIZATIONS,
                    help="target weights for the capture forwards (answers always come from the serving configuration; "
-                        "none: a dense copy of the same weights, ~3x faster for long forwards on a CPU)")
+                        "none: a dense copy of the same weights; on a CPU the block kernels are faster)")
     p.add_argument("--capture-dtype", default="auto", choices=("auto",) + DTYPES, help="activation dtype of the capture")
     p.add_argument("--capture-in-memory", action="store_true",
                    help="keep the hidden states in --device memory instead of disk shards (recomputed by every run; "
@@ -193,7 +193,7 @@ def cmd_train(args) -> int:
     record = {
         "target": loaded.name,
         "method": args.method,
-        "method_options": options,
+        "method_options": head.config_dict() if args.init_from else options,  # a fine-tuned head keeps its own
         "data": {
             "prompt_files": [f.name for f in files],
             "train_prompts": len(train_records),
