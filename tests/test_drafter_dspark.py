@@ -66,7 +66,8 @@ def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved
     for ids, draft in recorded_drafts(llm):
         tokens, logits = reference_chain(load_head(saved_dspark, parts()), llm, ids, 3)
         assert draft.token_ids == tokens[: len(draft)]
-        expected = [float(head.confidence(torch.tensor(x), j, True)) for j, x in enumerate(logits)]
+        temperature, offset = head.calibration(torch.tensor([True]))
+        expected = [float(torch.sigmoid(torch.tensor(x) / temperature[0, j] + offset[0, j])) for j, x in enumerate(logits)]
         assert draft.confidence == pytest.approx(expected[: len(draft)], abs=2e-2)  # served: 8-bit linears
 
 

@@ -21,7 +21,7 @@ from tandem.drafters import Drafter, register
 from tandem.engine.engine import Engine
 from tandem.sampling import processed_probs
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.policy import ConfidenceScheduler, DraftSlot, padded_rows
+from tandem.scheduler.policy import RETRY_ROUNDS, ConfidenceScheduler, DraftSlot, padded_rows, shifted
 from tandem.types import Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -90,6 +90,54 @@ def test_drafts_without_confidences_are_refused():
         scheduler(CostCurve((1,), (1.0,))).admit(["a"], [Draft([1, 2])], batch=1)
 
 
+def test_the_offset_follows_how_the_requests_drafts_fare():
+    """A request whose confident drafts keep failing reads its later confidences lower, one
+    whose drafts all pass reads them higher; a new request starts from the server-wide offset.
+    Rows are free here, so every drafted token is verified."""
+    s = scheduler(CostCurve((1, 64), (1.0, 1.0)), verify_rows=sum)
+    for _ in range(10):
+        s.observe("bad", *[(len(d), 0) for d in s.admit(["bad"], [chain(0.8, 0.8)], batch=1)][0])
+        s.observe("good", *[(len(d), len(d)) for d in s.admit(["good"], [chain(0.5, 0.5)], batch=1)][0])
+    assert s.offset["bad"] < -1.0 and s.offset["good"] > 1.0
+    s.admit(["bad", "good"], [chain(0.6, 0.6), chain(0.6, 0.6)], batch=2)
+    bad, good = s.verifying["bad"], s.verifying["good"]
+    assert bad and good and bad[0] < 0.6 < good[0]
+    s.admit(["new"], [chain(0.6)], batch=1)
+    assert s.verifying["new"][0] == pytest.approx(shifted(0.6, s.global_offset))
+
+
+def test_before_drafting_the_best_prefix_is_priced_past_a_dip():
+    # The first pair pays the whole round's drafting (0.8 of a forward) and loses alone; four
+    # pairs together win. Nothing is drawn yet, so the scheduler may look past the dip.
+    curve = CostCurve((1, 5), (1.0, 1.1))
+    s = scheduler(curve, verify_rows=sum)
+    s.observe_draft_time(0.8, 1)
+    s.admit(["a"], [chain(0.7, 0.95, 0.95, 0.95)], batch=1)  # its survivals: 0.7 0.67 0.63 0.6
+    assert s.draft_lengths([DraftSlot("a", 4)]) == [4]
+    assert s._admission(1, [s.expected["a"]], 0.8) == ([0], pytest.approx(1.0))  # stopping at the first drop: none
+
+
+def test_a_retry_happens_only_where_a_draft_that_always_passes_would_pay():
+    linear = scheduler(CostCurve((1, 2, 3), (1.0, 2.0, 3.0)), k=2)  # every row a whole forward
+    linear.observe_draft_time(0.01, 1)
+    assert all(linear.draft_lengths([DraftSlot("a", 2)]) == [0] for _ in range(3 * RETRY_ROUNDS))
+
+
+def test_the_policy_learns_drafting_time_from_steady_rounds_only(saved):
+    """A request's first draft catches the drafter up on its whole prompt: that round's time is
+    not the per-round cost the policy prices, so it is not reported; the others are."""
+    llm = make_llm("dspark", saved("dspark"), k=3, max_num_seqs=1)
+    eng = llm.engine
+    observed, rows = [], []
+    propose, tell = eng.drafter.propose, eng.policy.observe_draft_time
+    eng.drafter.propose = lambda batch: rows.append(max(len(h) for inp in batch for h in inp.hidden.values())) or propose(batch)
+    eng.policy.observe_draft_time = lambda seconds, units: observed.append(units) or tell(seconds, units)
+    long_prompt = PROMPTS[2] * 3  # 39 rows to catch up on at the first draft
+    assert llm.generate([long_prompt], GREEDY)[0].token_ids
+    assert rows[0] == len(long_prompt) and len(rows) > 1
+    assert len(observed) == sum(n <= eng.config.spec.max_draft_len + 1 for n in rows) == len(rows) - 1
+
+
 # ---- drafting only what could be admitted -------------------------------------------------------
 
 
@@ -121,13 +169,12 @@ def test_nothing_is_drafted_when_no_position_could_be_admitted(saved):
 
 def test_a_request_switched_off_is_retried_later():
     s = scheduler(CostCurve((1, 2, 3), (1.0, 1.35, 1.7)), k=2)
-    s.admit(["a"], [chain(0.1, 0.1)], batch=1)  # its first confidence is now low
+    s.admit(["a"], [chain(0.1, 0.1)], batch=1)  # its survivals are now low
     slot = [DraftSlot("a", 2)]
-    assert s.draft_lengths(slot) == [0]
-    for _ in range(200):
-        if s.draft_lengths(slot) != [0]:
-            break
-    assert s.draft_lengths(slot) == [2]
+    lengths = [s.draft_lengths(slot)[0] for _ in range(2 * RETRY_ROUNDS + 2)]
+    # Idle for RETRY_ROUNDS rounds, it drafts once to measure again, and (with nothing new
+    # admitted) waits as long again.
+    assert lengths == ([0] * RETRY_ROUNDS + [2]) * 2
 
 
 # ---- the sampled audit of the scheduled engine ---------------------------------------------------
@@ -216,19 +263,8 @@ class LooksPastTheDip(ConfidenceScheduler):
     """Broken on purpose: admits the best prefix of the descending order overall, looking past a
     pair that lowers the throughput to the pairs after it."""
 
-    def _admission(self, batch, survivals, draft_seconds):
-        order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
-                       key=lambda t: (-t[0], t[1], t[2]))
-        lengths, rows, committed = [0] * len(survivals), [1] * batch, float(batch)
-        best, best_lengths = committed / self.curve(self.verify_rows(rows)), [0] * len(survivals)
-        for a, j, r in order:
-            lengths[r] += 1
-            rows[r] += 1
-            committed += a
-            seconds = self.curve(self.verify_rows(rows)) + draft_seconds * sum(n > 0 for n in lengths)
-            if committed / seconds > best:
-                best, best_lengths = committed / seconds, list(lengths)
-        return best_lengths, best
+    def _admission(self, batch, survivals, draft_seconds, past_dips=False):
+        return super()._admission(batch, survivals, draft_seconds, past_dips=True)
 
 
 DIP_CURVE = CostCurve((1, 2, 3), (1.0, 1.6, 1.6))

@@ -19,6 +19,7 @@ import torch
 
 from tandem.drafters.base import DraftInput, register
 from tandem.drafters.dflash import DFlashDrafter
+from tandem.sampling import row_argmax
 from tandem.types import Draft
 
 
@@ -26,6 +27,12 @@ from tandem.types import Draft
 class DSparkDrafter(DFlashDrafter):
     anchor_drafts = True
     serving_policy = "confidence"
+
+    def __init__(self, spec, target) -> None:
+        super().__init__(spec, target)
+        # target id -> the sequential head's row (the draft index; len(draft_ids) outside it)
+        vocab = len(self.head.draft_ids)
+        self.markov_row = torch.where(self.to_draft >= 0, self.to_draft, vocab)
 
     def _drafts(self, inputs: list[DraftInput], states: torch.Tensor) -> list[Draft]:
         head = self.head
@@ -35,7 +42,10 @@ class DSparkDrafter(DFlashDrafter):
         seen = [self.seen_ids(inp) for inp in inputs]
         anchors = torch.tensor([inp.token_ids[-1] for inp in inputs], device=self.device)
         greedy = torch.tensor([inp.params.greedy for inp in inputs], device=self.device)
-        previous = head.draft_index(anchors)  # [R] draft-vocabulary index of each row's last token
+        temperature, offset = head.calibration(greedy)  # [R, S] each
+        previous = self.markov_row[anchors]  # [R] the sequential head's row of each request's last token
+        if all(inp.params.greedy and s is None for inp, s in zip(inputs, seen)):
+            return self._argmax_drafts(h, base, budgets, previous, temperature, offset)
         tokens: list[list[int]] = [[] for _ in inputs]
         qs: list[list[torch.Tensor | None]] = [[] for _ in inputs]
         confidence: list[list[float]] = [[] for _ in inputs]
@@ -45,7 +55,8 @@ class DSparkDrafter(DFlashDrafter):
                 break
             rows = torch.tensor(live, device=self.device)
             code, bias = head.sequential(previous[rows])
-            c = head.confidence(head.confidence_logit(h[rows, j], code), j, greedy[rows]).tolist()  # before x_j is drawn
+            logit = head.confidence_logit(h[rows, j], code)  # before x_j is drawn
+            c = torch.sigmoid(logit / temperature[rows, j] + offset[rows, j]).tolist()
             chosen, q = self.choose([inputs[r] for r in live], [seen[r] for r in live], base[rows, j] + bias.float())
             for n, r in enumerate(live):
                 if chosen[n] < 0:  # a broken row ends this draft; the target decides alone
@@ -54,10 +65,36 @@ class DSparkDrafter(DFlashDrafter):
                 tokens[r].append(chosen[n])
                 qs[r].append(q[n])
                 confidence[r].append(c[n])
-            picked = torch.tensor([max(t, 0) for t in chosen], device=self.device)
-            previous[rows] = head.draft_index(picked)
+            previous[rows] = self.markov_row[torch.tensor([max(t, 0) for t in chosen], device=self.device)]
         drafts = []
         for toks, q, conf in zip(tokens, qs, confidence):
             probs = torch.stack(q) if toks and q[0] is not None else None
             drafts.append(Draft(toks, probs, None, conf) if toks else Draft.empty())
+        return drafts
+
+    def _argmax_drafts(self, h: torch.Tensor, base: torch.Tensor, budgets: list[int], previous: torch.Tensor,
+                       temperature: torch.Tensor, offset: torch.Tensor) -> list[Draft]:
+        """_drafts when every request is greedy without a repetition penalty: the same tokens and
+        confidences, with the whole batch's positions kept as tensors until the end (one
+        conversion instead of several per position; this loop is most of a round's cost)."""
+        head, steps = self.head, max(budgets, default=0)
+        picked, sums, conf, rows = [], [], [], []
+        for j in range(steps):
+            code, bias = head.sequential(previous)
+            logit = head.confidence_logit(h[:, j], code)  # before x_j is drawn
+            conf.append(torch.sigmoid(logit / temperature[:, j] + offset[:, j]))
+            logits = base[:, j] + bias.float()
+            rows.append(logits)
+            sums.append(logits.sum(-1))  # finite exactly when the row is, unless it overflows
+            previous = row_argmax(logits)  # a draft index: its own row of the sequential head
+            picked.append(previous)
+        if not steps:
+            return [Draft.empty() for _ in budgets]
+        ids = head.draft_ids[torch.stack(picked, 1)].tolist()  # [R, steps]
+        ok, conf = torch.isfinite(torch.stack(sums, 1)).tolist(), torch.stack(conf, 1).tolist()
+        drafts = []
+        for r, budget in enumerate(budgets):
+            # A broken row (NaN or inf logits) ends the draft; a sum that only overflowed does not.
+            end = next((j for j in range(budget) if not (ok[r][j] or bool(torch.isfinite(rows[j][r]).all()))), budget)
+            drafts.append(Draft(ids[r][:end], None, None, conf[r][:end]) if end else Draft.empty())
         return drafts

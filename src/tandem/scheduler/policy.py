@@ -8,6 +8,9 @@ and each request's acceptance in *earlier* rounds, never from the draft being de
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -28,6 +31,13 @@ GLOBAL_EMA = 0.05
 # Per round without a draft, a request's estimate relaxes this far toward the prior, so a request
 # switched off for poor acceptance is retried after some tens of rounds rather than never.
 RELAX = 0.03
+# The confidence scheduler's online correction: the step of a request's logit offset per graded
+# position (a logistic-regression learning rate), and its bound.
+OFFSET_RATE = 0.3
+MAX_OFFSET = 4.0
+# Rounds without a draft after which the confidence scheduler prices a request as if its draft
+# would all pass, so its survivals are measured again (only where such a draft would pay).
+RETRY_ROUNDS = 32
 # Draft only when the predicted throughput beats plain decoding by this margin: the cost curve is
 # measured on a shared CPU, and being a little too cautious costs less than being slower.
 MIN_GAIN = 0.03
@@ -299,11 +309,22 @@ class ConfidenceScheduler(PricedPolicy):
     (r, j). An admission that looked past a dip, or picked the best set overall, would decide on
     x_{r,j} from a value that depends on it.
 
-    Before drafting, `draft_lengths` runs the same admission on optimistic survivals (each
-    request's recent first-token confidence, raised to the power j; a new request's is the
-    server-wide recent one), with the drafter's measured seconds per drafting request added to
-    the cost: when it admits nothing for a request, that request does not draft this round, and
-    when it admits nothing at all, nothing is drafted.
+    Online correction. The head is calibrated on held-out answers like its training ones; on
+    other text its confidences can run high (SmolLM2's head: about 0.55 for the first token on
+    Spec-Bench, which accepts 0.31 of them). Every confidence is read as sigmoid(logit(c) + d_r),
+    where d_r, one offset per request, is fitted online to the request's own graded positions
+    (a logistic-regression step per outcome: d += OFFSET_RATE (outcome - corrected c)); a new
+    request starts from the server-wide offset. d_r depends on past rounds only.
+
+    Before drafting, `draft_lengths` prices expected survivals (a moving average of each
+    request's corrected survivals over its recent drafts; a new request's is the server-wide
+    one, which starts at 1 so that the first requests draft and measure), with the drafter's
+    measured seconds per drafting request added to the cost of its first pair, and takes the
+    best prefix of the ranked pairs: nothing has been drawn yet, so looking past a dip reads
+    nothing this round drafts. When that admits nothing for a request, it does not draft this
+    round; when it admits nothing at all, nothing is drafted. A request idle for RETRY_ROUNDS
+    rounds is priced as if its draft would all pass, so it drafts again where that would pay
+    and its survivals are measured afresh (the text may have turned easier to draft).
     """
 
     def __init__(self, spec: SpecConfig, curve: CostCurve | None,
@@ -311,11 +332,15 @@ class ConfidenceScheduler(PricedPolicy):
         super().__init__(spec, curve, verify_rows, min_gain, "confidence scheduler")
         if spec.tree:
             raise ValueError("the confidence scheduler verifies chains: use --speculative-eagle-topk 1")
-        self.first_confidence: dict[str, float] = {}  # each request's recent c_1 (past rounds only)
-        # What a new request is assumed to start with: the server-wide recent c_1, from 1 (so the
-        # first requests draft and measure it).
-        self.global_first = 1.0
+        self.expected: dict[str, list[float]] = {}  # each request's recent corrected survivals (past rounds only)
+        self.global_expected = [1.0] * self.k_max  # what a new request is assumed to start with
+        self.drafted: set[str] = set()  # the requests that have drafted
+        self.idle: dict[str, int] = {}  # rounds since each request last drafted
+        self.offset: dict[str, float] = {}  # each request's online logit correction d_r
+        self.global_offset = 0.0
+        self.verifying: dict[str, list[float]] = {}  # the corrected confidences of each request's admitted draft
         self.draft_rounds = 0
+        self.fastest_draft = float("inf")  # the fastest round measured, per drafting request
 
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
         B = len(batch)
@@ -323,56 +348,81 @@ class ConfidenceScheduler(PricedPolicy):
             return []
         survivals = []
         for slot in batch:
-            c = self.first_confidence.get(slot.request_id, self.global_first)
-            survivals.append([c ** (j + 1) for j in range(max(0, min(slot.limit, self.k_max)))])
-        lengths, rate = self._admission(B, survivals, self.draft_seconds_per_unit)
+            retry = self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS
+            expected = [1.0] * self.k_max if retry else self.expected.get(slot.request_id, self.global_expected)
+            survivals.append(expected[: max(0, slot.limit)])
+        lengths, rate = self._admission(B, survivals, self.draft_seconds_per_unit, past_dips=True)
         if rate <= B / self.curve(B) * (1.0 + self.min_gain):
             lengths = [0] * B
         # A request that may draft drafts its whole block: the drafter's cost is per round.
         ks = [min(slot.limit, self.k_max) if n else 0 for slot, n in zip(batch, lengths)]
         for slot, k in zip(batch, ks):
-            if not k and slot.request_id in self.first_confidence:  # retried after a while
-                c = self.first_confidence[slot.request_id]
-                self.first_confidence[slot.request_id] = c + RELAX * (1.0 - c)
+            self.idle[slot.request_id] = 0 if k else self.idle.get(slot.request_id, 0) + 1
+        if not any(ks) and self.draft_rounds:  # one slow round measured must not stop drafting for good
+            self.draft_seconds_per_unit += RELAX * (self.fastest_draft - self.draft_seconds_per_unit)
         return ks
 
     def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int) -> list[Draft]:
+        confidences, survivals = [], []
         for rid, d in zip(request_ids, drafts):
             if d.is_tree or d.confidence is None:
                 raise ValueError("the confidence scheduler needs chain drafts with confidences (dspark, dflash)")
-            if len(d):
-                c = self.first_confidence.get(rid, d.confidence[0])
-                self.first_confidence[rid] = c + REQUEST_EMA * (d.confidence[0] - c)
-                self.global_first += GLOBAL_EMA * (d.confidence[0] - self.global_first)
-        survivals = [d.survival() for d in drafts]
+            shift = self.offset.get(rid, self.global_offset)
+            confidences.append([shifted(c, shift) for c in d.confidence])
+            survivals.append(list(itertools.accumulate(confidences[-1], operator.mul)))
+            # A request's first draft replaces the server-wide guess it started from; later ones average in.
+            weight = REQUEST_EMA if rid in self.drafted else 1.0
+            self.drafted.add(rid)
+            mine = self.expected.setdefault(rid, list(self.global_expected))
+            for j, a in enumerate(survivals[-1]):
+                mine[j] += weight * (a - mine[j])
+                self.global_expected[j] += GLOBAL_EMA * (a - self.global_expected[j])
         # Running requests without a draft are the rest of the batch: one row, one token each.
         lengths, predicted = self._admission(batch, survivals, 0.0)
         self.last = Decision(batch, tuple(lengths), predicted * self.curve(batch) / batch)
+        for rid, conf, n in zip(request_ids, confidences, lengths):
+            self.verifying[rid] = conf[:n]
         return [d.truncated(n) for d, n in zip(drafts, lengths)]
 
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """Fit the request's offset to the positions its verified draft had graded: position i
+        was graded when every earlier one passed, and passed when i < accepted."""
+        predicted = self.verifying.pop(request_id, [])
+        if not predicted:
+            return
+        start = d = self.offset.get(request_id, self.global_offset)
+        for i, c in enumerate(predicted[: min(drafted, accepted + 1)]):
+            step = OFFSET_RATE * ((1.0 if i < accepted else 0.0) - shifted(c, d - start))
+            d += step
+            self.global_offset = clamp(self.global_offset + GLOBAL_EMA * step, MAX_OFFSET)
+        self.offset[request_id] = clamp(d, MAX_OFFSET)
+
     def _admission(self, batch: int, survivals: Sequence[Sequence[float]],
-                   draft_seconds: float) -> tuple[list[int], float]:
+                   draft_seconds: float, past_dips: bool = False) -> tuple[list[int], float]:
         """Admitted prefix lengths of the first len(survivals) requests of a batch of `batch`
         (the others verify one row and commit one token), and their predicted committed tokens
-        per second: pairs in descending survival, stopping at the first drop. draft_seconds: the
-        cost of each request that gets at least one pair (0 once drafted)."""
+        per second: pairs in descending survival, stopping at the first drop (past_dips: the
+        best prefix of that order instead, for decisions taken before anything is drawn).
+        draft_seconds: the cost of each request that gets at least one pair (0 once drafted)."""
         order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
                        key=lambda t: (-t[0], t[1], t[2]))
         lengths = [0] * len(survivals)
         rows = [1] * batch  # each request's verified rows: 1 + its admitted length
         committed, drafting = float(batch), 0
         best = committed / self.curve(self.verify_rows(rows))
+        best_lengths = list(lengths)
         for a, j, r in order:
             first = lengths[r] == 0  # this request's first pair also pays its drafting
             rows[r] += 1
             rate = (committed + a) / (self.curve(self.verify_rows(rows)) + draft_seconds * (drafting + first))
-            if rate <= best:
+            if rate <= best and not past_dips:
                 break
             lengths[r] += 1
             committed += a
             drafting += first
-            best = rate
-        return lengths, best
+            if rate > best:
+                best, best_lengths = rate, list(lengths)
+        return best_lengths, best
 
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
         """Seconds per drafting request: the first measurement as it is (an estimate of 0 would
@@ -381,11 +431,27 @@ class ConfidenceScheduler(PricedPolicy):
             per_request = seconds / tokens
             if not self.draft_rounds:
                 self.draft_seconds_per_unit = per_request
+            self.fastest_draft = min(self.fastest_draft, per_request)
             self.draft_seconds_per_unit += 0.2 * (per_request - self.draft_seconds_per_unit)
             self.draft_rounds += 1
 
     def release(self, request_id: str) -> None:
-        self.first_confidence.pop(request_id, None)
+        self.expected.pop(request_id, None)
+        self.drafted.discard(request_id)
+        self.idle.pop(request_id, None)
+        self.offset.pop(request_id, None)
+        self.verifying.pop(request_id, None)
+
+
+def clamp(x: float, bound: float) -> float:
+    return max(-bound, min(bound, x))
+
+
+def shifted(c: float, offset: float) -> float:
+    """sigmoid(logit(c) + offset): a confidence moved by a logit offset (0 and 1 stay put)."""
+    if offset == 0.0 or c <= 0.0 or c >= 1.0:
+        return c
+    return 1.0 / (1.0 + (1.0 - c) / c * math.exp(-offset))
 
 
 def create_policy(spec: SpecConfig, curve: CostCurve | None = None, per_round_drafts: bool = False,

@@ -108,11 +108,11 @@ class DSparkHead(DFlashHead):
         """Uncalibrated confidence logits [...] from normed backbone outputs [..., H] and codes [..., r]."""
         return torch.cat([h.float(), code.float()], dim=-1) @ self.confidence_weight + self.confidence_bias
 
-    def confidence(self, logit: torch.Tensor, position: int, greedy) -> torch.Tensor:
-        """c_j = sigmoid(logit / T_j + b_j) at block position j (0-based), calibrated for the
-        request kind: greedy is a bool, or a bool tensor shaped like logit (one per request)."""
-        row = torch.where(torch.as_tensor(greedy, device=self.confidence_temperature.device), GREEDY, SAMPLED)
-        return torch.sigmoid(logit / self.confidence_temperature[row, position] + self.confidence_offset[row, position])
+    def calibration(self, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request (greedy: a bool per request) and block position, the temperature T_j and
+        offset b_j of its kind [R, S] each: c_j = sigmoid(logit_j / T_j + b_j)."""
+        row = torch.where(greedy.to(self.confidence_temperature.device), GREEDY, SAMPLED)
+        return self.confidence_temperature[row], self.confidence_offset[row]
 
     # ---- training --------------------------------------------------------------------------------
 
