@@ -1,11 +1,13 @@
 """DFlash: the block attention pattern against a reference masked computation, what a block may
 see, training (the loss falls, resume is exact), and the drafter: its drafts equal the training
-forward's on the committed context, its caches hold exactly the true features, blocks longer
-than the trained one are refused, and a q that is not the one sampled from fails the audit.
+forward's on the committed context, its caches hold exactly the true features (also when the
+suffix lookup drafts some rounds), blocks longer than the trained one are refused, and a q that
+is not the one sampled from fails the audit.
 (Greedy identity, the sampled audit and the other per-method checks run in test_drafter_heads.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +20,7 @@ from heads_fixtures import (
     train,
 )
 from test_drafter_heads import (
+    COPYING_PROMPTS,
     PROMPTS,
     audit,
     committed_batch,
@@ -32,7 +35,9 @@ from tandem.drafters import DraftInput
 from tandem.drafters.dflash import DFlashDrafter
 from tandem.drafters.heads.base import TrainBatch
 from tandem.drafters.heads.io import build_head
+from tandem.engine.engine import Engine
 from tandem.llm import LLM
+from tandem.scheduler.cost_model import CostCurve
 from tandem.train.capture import CapturedData, capture, sequences
 from tandem.train.data import DistillConfig, distill
 from tandem.train.trainer import TrainConfig
@@ -142,7 +147,7 @@ def test_a_block_longer_than_the_trained_one_is_refused(saved_dflash):
 def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved_dflash):
     """Across rounds with rejections: every draft is the block recomputed from scratch on the
     committed context, and each layer's cache holds exactly the positions before the anchor."""
-    llm = make_llm("dflash", saved_dflash, k=3)
+    llm = make_llm("dflash", saved_dflash, k=3, lookup=False)
     drafter = llm.engine.drafter
 
     def caches_before_the_anchor(inp, d):
@@ -158,8 +163,61 @@ def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved
         assert draft.token_ids == head.to_target_ids(logits.argmax(-1)).tolist()[: len(draft)]
 
 
-def test_a_round_the_drafter_missed_restarts_its_caches(saved_dflash):
+def test_lookup_rounds_leave_their_rows_waiting_and_the_block_catches_up(saved_dflash):
+    """With the lookup on, a round's draft is the suffix lookup's when that has LOOKUP_MIN_TOKENS
+    tokens or more, else the block's; the rows of rounds the block sat out wait (caches plus
+    waiting rows = every position before the anchor), and every block draft is still the training
+    forward's on the committed context."""
+    from tandem.drafters.lookup import LOOKUP_MIN_TOKENS
+
     llm = make_llm("dflash", saved_dflash, k=3)
+    drafter = llm.engine.drafter
+    looked, sources = {}, []
+    suffix_propose = drafter.lookup.suffix.propose
+
+    def recording_lookup(inputs):
+        drafts = suffix_propose(inputs)
+        for inp, d in zip(inputs, drafts):
+            looked[inp.request_id, len(inp.token_ids)] = d.token_ids
+        return drafts
+
+    def check(inp, draft):
+        lookup = looked[inp.request_id, len(inp.token_ids)]
+        waiting = 0
+        if len(lookup) >= LOOKUP_MIN_TOKENS:
+            assert draft.token_ids == lookup and draft.confidence is None
+            pieces = drafter.lookup.pending[inp.request_id][0]
+            waiting = sum(len(next(iter(piece.values()))) for piece in pieces)
+            sources.append("lookup" if len(pieces) == 1 else "lookup after lookup")
+        else:
+            sources.append("block")
+        caches = drafter.contexts.get(inp.request_id)
+        held = caches[0].origin + caches[0].length if caches else len(inp.token_ids) - 1 - waiting
+        assert held + waiting == len(inp.token_ids) - 1
+
+    drafter.lookup.suffix.propose = recording_lookup
+    seen = recorded_drafts(llm, check, COPYING_PROMPTS)
+    assert {"lookup", "lookup after lookup", "block"} <= set(sources)
+    head, p = drafter.head, parts()
+    for (ids, draft), source in zip(seen, sources):
+        if source == "block":
+            batch = committed_batch(llm, head, ids)
+            with torch.no_grad():
+                logits = head.block_logits(batch, p, head.context(batch.hidden), torch.tensor([[len(ids) - 1]]), 4)[0, 0, 1:]
+            assert draft.token_ids == head.to_target_ids(logits.argmax(-1)).tolist()[: len(draft)]
+
+
+def test_the_confidence_scheduler_drafts_from_the_head_alone(saved):
+    """The scheduler prices the head's confidences, which lookup drafts do not have."""
+    llm = make_llm("dspark", saved("dspark"), k=3)
+    assert llm.engine.drafter.lookup is not None
+    spec = dataclasses.replace(llm.engine.config.spec, policy="confidence")
+    scheduled = Engine(llm.loaded, dataclasses.replace(llm.engine.config, spec=spec), cost_curve=CostCurve((1,), (1.0,)))
+    assert scheduled.drafter.lookup is None
+
+
+def test_a_round_the_drafter_missed_restarts_its_caches(saved_dflash):
+    llm = make_llm("dflash", saved_dflash, k=3, lookup=False)
     drafter = llm.engine.drafter
     ctx = PROMPTS[0] + [11, 12, 13, 14, 15, 16]
     hidden = prefill_hidden(llm, ctx)  # rows for ctx[:-1]
@@ -187,7 +245,7 @@ def test_audit_fails_a_q_that_is_not_the_one_sampled_from(saved_dflash, monkeypa
         return original(self, flat / flat.sum())
 
     monkeypatch.setattr(DFlashDrafter, "full_vocab_q", flattened)
-    _, checks = audit(make_llm("dflash", saved_dflash, k=2), SamplingParams(temperature=1.0), seed=1)
+    _, checks = audit(make_llm("dflash", saved_dflash, k=2, lookup=False), SamplingParams(temperature=1.0), seed=1)
     ran = [c for c in checks if c.passed is not None]
     assert ran and not all(c.passed for c in ran), checks
 

@@ -59,7 +59,7 @@ def reference_chain(head, llm, ids: list[int], k: int) -> tuple[list[int], list[
 def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved_dspark):
     """Across rounds with rejections, every greedy draft (k tokens from a block of k inputs) and
     its confidences are the training forward's on the committed context."""
-    llm = make_llm("dspark", saved_dspark, k=3)
+    llm = make_llm("dspark", saved_dspark, k=3, lookup=False)
     drafter = llm.engine.drafter
     assert drafter.block_size == 3  # the anchor drafts too
     head = drafter.head
@@ -83,7 +83,7 @@ def test_the_sequential_head_conditions_each_token_on_the_one_before():
 def test_a_sampled_tokens_q_and_confidence_are_fixed_before_it_is_drawn(saved_dspark):
     """Many seeds from one context: wherever two drafts share x_0..x_{j-1}, their q_j and c_j are
     equal whatever x_j each drew, and q_j is the distribution x_j was drawn from."""
-    llm = make_llm("dspark", saved_dspark, k=3)
+    llm = make_llm("dspark", saved_dspark, k=3, lookup=False)
     drafter = llm.engine.drafter
     ctx = PROMPTS[0]
     hidden = prefill_hidden(llm, ctx)

@@ -281,12 +281,12 @@ def test_a_chain_takes_long_lookup_drafts_and_the_head_catches_up_after(variant,
     tokens or more, else the head's. Rounds the head sat out (one or several in a row) leave their
     rows waiting, not lost: every head draft is still its chain recomputed from scratch on the
     committed context."""
-    from tandem.drafters.eagle import LOOKUP_MIN_TOKENS
+    from tandem.drafters.lookup import LOOKUP_MIN_TOKENS
 
     llm = make_llm(variant, saved(variant), k=3)
     drafter = llm.engine.drafter
     looked, sources, last_source = {}, [], {}
-    lookup_propose = drafter.lookup.propose
+    lookup_propose = drafter.lookup.suffix.propose
 
     def recording_lookup(inputs):
         drafts = lookup_propose(inputs)
@@ -299,7 +299,7 @@ def test_a_chain_takes_long_lookup_drafts_and_the_head_catches_up_after(variant,
         cache = drafter.caches[inp.request_id]
         if len(lookup) >= LOOKUP_MIN_TOKENS:
             assert draft.token_ids == lookup
-            pieces = drafter.pending[inp.request_id][0]
+            pieces = drafter.lookup.pending[inp.request_id][0]
             waiting = sum(len(next(iter(piece.values()))) for piece in pieces)
             sources.append("lookup" if len(pieces) == 1 else "lookup after lookup")
         else:
@@ -308,7 +308,7 @@ def test_a_chain_takes_long_lookup_drafts_and_the_head_catches_up_after(variant,
         last_source[inp.request_id] = sources[-1]
         assert cache.length + waiting == expected_lengths(drafter, inp)[0]
 
-    drafter.lookup.propose = recording_lookup
+    drafter.lookup.suffix.propose = recording_lookup
     seen = recorded_drafts(llm, check, COPYING_PROMPTS)
     assert {"lookup", "lookup after lookup", "head after lookup"} <= set(sources)
     head, p = drafter.head, parts()

@@ -96,10 +96,12 @@ class SpecConfig:
     (which counts the root) drafts 3 here too. eagle_topk: 1 drafts chains; above 1 an EAGLE
     head drafts an EAGLE-2 tree: num_steps deep (default TREE_DEPTH), eagle_topk children per
     expanded node and eagle_topk nodes expanded per depth, the num_draft_tokens most likely
-    nodes kept (the root, the last committed token, not counted). lookup: an EAGLE drafter also
-    asks the suffix drafter (model-free; it wins where the answer copies its context:
-    translation, summaries, RAG): a tree gets its draft grafted on as one more branch, a chain
-    takes its draft instead of the head's when it has at least 2 tokens (drafters/eagle.py).
+    nodes kept (the root, the last committed token, not counted). lookup: an EAGLE, DFlash or
+    DSpark drafter also asks the suffix drafter (model-free; it wins where the answer copies its
+    context: translation, summaries, RAG): an EAGLE tree gets its draft grafted on as one more
+    branch, a chain or a block takes its draft instead of the head's whenever it has one
+    (drafters/lookup.py); not under the confidence scheduler, which prices the head's
+    confidences.
     policy: "fixed" drafts the full length every round; "adaptive" picks each request's length
     (a tree's depth) per round from the load, the measured cost curve and its acceptance; "confidence" (DSpark's scheduler,
     for drafters that report calibrated confidences) admits each draft's verified prefix after

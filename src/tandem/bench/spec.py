@@ -60,7 +60,8 @@ DEFINITIONS = {
 @dataclass(frozen=True)
 class Method:
     """A tandem drafter to benchmark: a registry name, the file it needs (if any), its k (None:
-    the run's default) and, for EAGLE drafters, top-k, depth and whether they consult the lookup."""
+    the run's default), for EAGLE drafters top-k and depth, for hidden-state heads whether they
+    consult the lookup, and whether the confidence scheduler verifies its drafts."""
 
     algorithm: str
     draft_path: str | None = None

@@ -15,6 +15,12 @@ one another's tokens (each sees only the context and MASK inputs), so q_j is exa
 distribution token j was drawn from, which the verifier's rule needs (docs/algorithms.md
 section 1). Each token's confidence is the largest probability of its position's distribution:
 fixed before the token is drawn, so the policy may cut the draft on it.
+
+With --speculative-lookup (the default) a round first asks the suffix lookup (drafters/lookup.py)
+and the head drafts only when the lookup has fewer than LOOKUP_MIN_TOKENS tokens; the rows of the
+rounds it sat out wait and are caught up on in one go. Under the confidence scheduler the head
+drafts every round: the scheduler prices the head's calibrated confidences, which a lookup draft
+does not have.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.drafters.base import DraftInput, register
+from tandem.drafters.base import DraftInput, DraftOutcome, register
 from tandem.drafters.heads.block import RowCache
 from tandem.drafters.heads.native import NativeBlock
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
+from tandem.drafters.lookup import LookupFirst
 from tandem.types import Draft
 
 
@@ -47,9 +54,18 @@ class DFlashDrafter(HeadDrafter):
         self.block_size = spec.num_draft_tokens + extra
         self.contexts: dict[str, list[RowCache]] = {}
         self.natives = NativeBlock.all_of([layer.block for layer in self.head.draft_layers])
+        self.lookup = None
+        if spec.lookup and spec.policy != "confidence":
+            self.lookup = LookupFirst(spec, target, tuple(self.head.serving_layers))
+
+    def observe(self, outcomes: list[DraftOutcome]) -> None:
+        if self.lookup is not None:
+            self.lookup.observe(outcomes)
 
     def release(self, request_id: str) -> None:
         self.contexts.pop(request_id, None)
+        if self.lookup is not None:
+            self.lookup.release(request_id)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
@@ -58,6 +74,15 @@ class DFlashDrafter(HeadDrafter):
         if not rows:
             return drafts
         inputs = [batch[i] for i in rows]
+        if self.lookup is not None:
+            looked = self.lookup.propose(inputs)
+            for i, draft in zip(rows, looked):
+                if draft is not None:
+                    drafts[i] = draft
+            kept = [j for j, draft in enumerate(looked) if draft is None]
+            rows, inputs = [rows[j] for j in kept], [self.lookup.with_pending(inputs[j]) for j in kept]
+            if not rows:
+                return drafts
         contexts = [self._catch_up(inp) for inp in inputs]
         for r, draft in zip(rows, self._drafts(inputs, self._block_states(inputs, contexts))):
             drafts[r] = draft

@@ -8,11 +8,10 @@ has seen. Each round (docs/algorithms.md section 3):
 2. step s >= 1 feeds (draft token s, the layer's own previous output) at the next position;
 3. the draft steps' cache slots are dropped again: next round's keys come from true features.
 
-With --speculative-lookup (the default) a chain first asks the suffix drafter: when its lookup
-draft has LOOKUP_MIN_TOKENS tokens or more, the round proposes that draft and the head does not
-run; the round's new hidden rows wait, and the next round the head drafts in catches up on
-them all in one forward, so its cache still holds exactly the true features before the context
-(a round the engine skipped breaks that chain of rows, and the cache restarts as below).
+With --speculative-lookup (the default) a chain first asks the suffix drafter (drafters/lookup.py):
+when its lookup draft has LOOKUP_MIN_TOKENS tokens or more, the round proposes that draft and the
+head does not run; the round's new hidden rows wait, and the next round the head drafts in
+catches up on them all in one forward. A tree gets the lookup's draft as one more branch.
 
 With --speculative-eagle-topk K > 1 the drafter grows an EAGLE-2 tree instead: the root's top K
 tokens form depth 1; at each further depth the K nodes with the highest path log-probability
@@ -32,16 +31,9 @@ from tandem.drafters.base import DraftInput, DraftOutcome, register
 from tandem.drafters.heads.block import RowCache
 from tandem.drafters.heads.native import NativeBlock
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
-from tandem.drafters.suffix import SuffixDrafter
+from tandem.drafters.lookup import LookupFirst
 from tandem.sampling import all_finite
 from tandem.types import Draft
-
-# A chain takes the suffix lookup's draft over the head's when the lookup has at least this many
-# tokens: one-token lookup drafts come from the weakest matches, and the head's first token is
-# accepted more often. Spec-Bench, 12 prompts, k = 4, SmolLM2 (docs/drafters.md): every lookup
-# draft taken gave tau 1.76, two tokens or more 2.00, three or more 2.06, the head alone 1.84;
-# with 3 a chain of k = 2 could never use the lookup.
-LOOKUP_MIN_TOKENS = 2
 
 
 @register("eagle")
@@ -52,12 +44,7 @@ class EagleDrafter(HeadDrafter):
         super().__init__(spec, target)
         self.caches: dict[str, RowCache] = {}
         self.native = NativeBlock.of(self.head.block)
-        # request -> (hidden rows of the lookup rounds since the head last drafted, as pieces;
-        # the position after the last of them)
-        self.pending: dict[str, tuple[list[dict[int, torch.Tensor]], int]] = {}
-        self.lookup = None
-        if spec.lookup:
-            self.lookup = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1), target)
+        self.lookup = LookupFirst(spec, target, self.head.serving_layers) if spec.lookup else None
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
         if self.lookup is not None:
@@ -65,7 +52,6 @@ class EagleDrafter(HeadDrafter):
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
-        self.pending.pop(request_id, None)
         if self.lookup is not None:
             self.lookup.release(request_id)
 
@@ -81,7 +67,7 @@ class EagleDrafter(HeadDrafter):
             if self.lookup is not None:
                 depth = self.spec.max_draft_len
                 inputs = [dataclasses.replace(batch[i], max_draft_tokens=min(depth, batch[i].max_draft_tokens)) for i in rows]
-                branches = [d.token_ids for d in self.lookup.propose(inputs)]
+                branches = [d.token_ids for d in self.lookup.suffix.propose(inputs)]
             for i, branch in zip(rows, branches):
                 # The lookup branch's nodes come out of the tree's budget.
                 drafts[i] = self._propose_tree(batch[i], self.spec.num_draft_tokens - len(branch)).with_branch(branch)
@@ -89,15 +75,13 @@ class EagleDrafter(HeadDrafter):
         inputs = [batch[i] for i in rows]
         if self.lookup is not None:
             looked = self.lookup.propose(inputs)
-            for i, inp, draft in zip(rows, inputs, looked):
-                if len(draft) >= LOOKUP_MIN_TOKENS:
+            for i, draft in zip(rows, looked):
+                if draft is not None:
                     drafts[i] = draft
-                    self._defer(inp)
-            kept = [j for j, draft in enumerate(looked) if len(draft) < LOOKUP_MIN_TOKENS]
-            rows, inputs = [rows[j] for j in kept], [inputs[j] for j in kept]
+            kept = [j for j, draft in enumerate(looked) if draft is None]
+            rows, inputs = [rows[j] for j in kept], [self.lookup.with_pending(inputs[j]) for j in kept]
             if not rows:
                 return drafts
-        inputs = [self._with_pending(inp) for inp in inputs]
         seen = [self.seen_ids(inp) for inp in inputs]
         budgets = [min(self.spec.num_draft_tokens, inp.max_draft_tokens) for inp in inputs]
         caches = [self._catch_up_cache(inp) for inp in inputs]
@@ -178,29 +162,6 @@ class EagleDrafter(HeadDrafter):
             frontier, frontier_scores = expand, child_scores[best]
         cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
         return best_subtree(tokens, parents, scores, size)
-
-    def _rows_start(self, inp: DraftInput) -> int:
-        """The position of the first of inp's new hidden rows."""
-        return len(inp.token_ids) - 1 - len(inp.hidden[self.head.serving_layers[0]])
-
-    def _defer(self, inp: DraftInput) -> None:
-        """Keep the request's new hidden rows for the next round the head drafts in (as pieces,
-        joined once then; rows that do not follow the waiting ones replace them)."""
-        pieces, end = self.pending.get(inp.request_id, ([], None))
-        if end != self._rows_start(inp):
-            pieces = []
-        pieces.append({layer: inp.hidden[layer] for layer in self.head.serving_layers})
-        self.pending[inp.request_id] = (pieces, len(inp.token_ids) - 1)
-
-    def _with_pending(self, inp: DraftInput) -> DraftInput:
-        """inp with the rows waiting from earlier lookup rounds put before its own, when they end
-        where its own begin."""
-        pieces, end = self.pending.pop(inp.request_id, ([], None))
-        if not pieces or end != self._rows_start(inp):
-            return inp
-        layers = self.head.serving_layers
-        return dataclasses.replace(inp, hidden={layer: torch.cat([p[layer] for p in pieces] + [inp.hidden[layer]])
-                                                for layer in layers})
 
     def _catch_up_cache(self, inp: DraftInput) -> RowCache:
         """The request's cache, holding exactly the positions before its new hidden rows. Rows
