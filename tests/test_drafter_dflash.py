@@ -21,10 +21,12 @@ from heads_fixtures import (
 )
 from test_drafter_heads import (
     COPYING_PROMPTS,
+    GREEDY,
     PROMPTS,
     audit,
     committed_batch,
     make_llm,
+    plain,
     prefill_hidden,
     recorded_drafts,
     saved_fixture,  # noqa: F401 (the fixture `saved`)
@@ -207,13 +209,44 @@ def test_lookup_rounds_leave_their_rows_waiting_and_the_block_catches_up(saved_d
             assert draft.token_ids == head.to_target_ids(logits.argmax(-1)).tolist()[: len(draft)]
 
 
-def test_the_confidence_scheduler_drafts_from_the_head_alone(saved):
-    """The scheduler prices the head's confidences, which lookup drafts do not have."""
+def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_ones_passed(saved):
+    """The scheduler prices every draft by its confidences: a lookup draft's are the request's
+    per-position pass rates of its earlier lookup drafts (from the server-wide ones), and the
+    output stays plain decoding's."""
+    from tandem.drafters.lookup import PRIOR_CONFIDENCE
+
     llm = make_llm("dspark", saved("dspark"), k=3)
-    assert llm.engine.drafter.lookup is not None
+    assert not llm.engine.drafter.lookup.confidences  # other policies do not read them
     spec = dataclasses.replace(llm.engine.config.spec, policy="confidence")
-    scheduled = Engine(llm.loaded, dataclasses.replace(llm.engine.config, spec=spec), cost_curve=CostCurve((1,), (1.0,)))
-    assert scheduled.drafter.lookup is None
+    eng = Engine(llm.loaded, dataclasses.replace(llm.engine.config, spec=spec), cost_curve=CostCurve((1, 64), (1.0, 1.0)))
+    drafter, lookup = eng.drafter, eng.drafter.lookup
+    expected, proposed = {}, []
+    suffix_propose, propose = lookup.suffix.propose, drafter.propose
+
+    def recording_lookup(inputs):
+        drafts = suffix_propose(inputs)
+        for inp, d in zip(inputs, drafts):
+            rates = lookup.passed.get(inp.request_id, lookup.global_passed)
+            expected[inp.request_id, len(inp.token_ids)] = (d.token_ids, list(rates[: len(d)]))
+        return drafts
+
+    def recording(batch):
+        drafts = propose(batch)
+        proposed.extend((inp.request_id, len(inp.token_ids), d) for inp, d in zip(batch, drafts))
+        return drafts
+
+    lookup.suffix.propose, drafter.propose = recording_lookup, recording
+    reqs = [eng.add_request(ids, GREEDY) for ids in COPYING_PROMPTS]
+    while eng.has_work():
+        eng.step()
+    assert [r.output_ids for r in reqs] == [list(o) for o in plain(GREEDY, tuple(map(tuple, COPYING_PROMPTS)))]
+    looked = 0
+    for rid, n, draft in proposed:
+        tokens, rates = expected[rid, n]
+        if tokens:
+            assert draft.token_ids == tokens and draft.confidence == rates
+            looked += 1
+    assert looked >= 3 and lookup.global_passed != [PRIOR_CONFIDENCE] * 3
 
 
 def test_a_round_the_drafter_missed_restarts_its_caches(saved_dflash):

@@ -23,6 +23,7 @@ from test_drafter_heads import (
 
 from tandem.config import SamplingParams
 from tandem.drafters import DraftInput
+from tandem.drafters.calibration import OnlineCalibration, shifted
 from tandem.drafters.heads.dspark import (
     expected_calibration_error,
     fit_survival_calibration,
@@ -58,16 +59,21 @@ def reference_chain(head, llm, ids: list[int], k: int) -> tuple[list[int], list[
 
 def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved_dspark):
     """Across rounds with rejections, every greedy draft (k tokens from a block of k inputs) and
-    its confidences are the training forward's on the committed context."""
+    its confidences are the training forward's on the committed context (the confidences
+    calibrated, then moved by the request's online offset at the time)."""
     llm = make_llm("dspark", saved_dspark, k=3, lookup=False)
     drafter = llm.engine.drafter
     assert drafter.block_size == 3  # the anchor drafts too
-    head = drafter.head
-    for ids, draft in recorded_drafts(llm):
+    head, online = drafter.head, drafter.calibration
+    offsets = []
+    record = lambda inp, draft: offsets.append(online.offset.get(inp.request_id, online.global_offset))  # noqa: E731
+    drafts = recorded_drafts(llm, record)
+    assert any(d != 0.0 for d in offsets)  # the correction moved
+    for (ids, draft), d in zip(drafts, offsets):
         tokens, logits = reference_chain(load_head(saved_dspark, parts()), llm, ids, 3)
         assert draft.token_ids == tokens[: len(draft)]
         temperature, offset = head.calibration(torch.tensor([True]))
-        expected = [float(torch.sigmoid(torch.tensor(x) / temperature[0, j] + offset[0, j])) for j, x in enumerate(logits)]
+        expected = [float(torch.sigmoid(torch.tensor(x) / temperature[0, j] + offset[0, j] + d)) for j, x in enumerate(logits)]
         assert draft.confidence == pytest.approx(expected[: len(draft)], abs=2e-2)  # served: 8-bit linears
 
 
@@ -153,3 +159,27 @@ def test_calibration_lowers_the_error_and_is_saved_with_the_head(tmp_path):
     loaded = load_head(tmp_path, p)
     torch.testing.assert_close(loaded.confidence_temperature, head.confidence_temperature)
     torch.testing.assert_close(loaded.confidence_offset, head.confidence_offset)
+
+
+def test_the_online_offset_follows_how_the_requests_drafts_fare():
+    """A request whose confident drafts keep failing gets its later confidences lowered, one whose
+    drafts all pass gets them raised; a new request starts from the server-wide offset; only
+    the graded positions count, and a round without the head's draft grades nothing."""
+    online = OnlineCalibration()
+    for _ in range(10):
+        online.correct("bad", [0.8, 0.8])
+        online.observe("bad", 2, 0)  # the first token failed: only it was graded
+        online.correct("good", [0.5, 0.5])
+        online.observe("good", 2, 2)
+    assert online.offset["bad"] < -1.0 and online.offset["good"] > 1.0
+    bad, good = online.correct("bad", [0.6, 0.6]), online.correct("good", [0.6, 0.6])
+    assert bad[0] < 0.6 < good[0] and bad[0] == bad[1]
+    assert online.correct("new", [0.6]) == [pytest.approx(shifted(0.6, online.global_offset))]
+    before = online.offset["good"]
+    online.not_drafted("good")  # a lookup round: its outcome is not the head's
+    online.observe("good", 2, 0)
+    assert online.offset["good"] == before
+    online.correct("good", [0.6, 0.6])
+    online.observe("good", 0, 0)  # nothing verified (the scheduler admitted none)
+    assert online.offset["good"] == before
+    assert shifted(0.3, 1.0) > 0.3 and shifted(1.0, -2.0) == 1.0 and shifted(0.3, 0.0) == 0.3

@@ -21,7 +21,7 @@ from tandem.drafters import Drafter, register
 from tandem.engine.engine import Engine
 from tandem.sampling import processed_probs
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.policy import RETRY_ROUNDS, ConfidenceScheduler, DraftSlot, padded_rows, shifted
+from tandem.scheduler.policy import RETRY_ROUNDS, ConfidenceScheduler, DraftSlot, padded_rows
 from tandem.types import Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,22 +88,6 @@ def test_the_rows_priced_are_the_rows_the_runner_computes():
 def test_drafts_without_confidences_are_refused():
     with pytest.raises(ValueError, match="confidences"):
         scheduler(CostCurve((1,), (1.0,))).admit(["a"], [Draft([1, 2])], batch=1)
-
-
-def test_the_offset_follows_how_the_requests_drafts_fare():
-    """A request whose confident drafts keep failing reads its later confidences lower, one
-    whose drafts all pass reads them higher; a new request starts from the server-wide offset.
-    Rows are free here, so every drafted token is verified."""
-    s = scheduler(CostCurve((1, 64), (1.0, 1.0)), verify_rows=sum)
-    for _ in range(10):
-        s.observe("bad", *[(len(d), 0) for d in s.admit(["bad"], [chain(0.8, 0.8)], batch=1)][0])
-        s.observe("good", *[(len(d), len(d)) for d in s.admit(["good"], [chain(0.5, 0.5)], batch=1)][0])
-    assert s.offset["bad"] < -1.0 and s.offset["good"] > 1.0
-    s.admit(["bad", "good"], [chain(0.6, 0.6), chain(0.6, 0.6)], batch=2)
-    bad, good = s.verifying["bad"], s.verifying["good"]
-    assert bad and good and bad[0] < 0.6 < good[0]
-    s.admit(["new"], [chain(0.6)], batch=1)
-    assert s.verifying["new"][0] == pytest.approx(shifted(0.6, s.global_offset))
 
 
 def test_before_drafting_the_best_prefix_is_priced_past_a_dip():

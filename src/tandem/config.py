@@ -100,8 +100,7 @@ class SpecConfig:
     DSpark drafter also asks the suffix drafter (model-free; it wins where the answer copies its
     context: translation, summaries, RAG): an EAGLE tree gets its draft grafted on as one more
     branch, a chain or a block takes its draft instead of the head's whenever it has one
-    (drafters/lookup.py); not under the confidence scheduler, which prices the head's
-    confidences.
+    (drafters/lookup.py).
     policy: "fixed" drafts the full length every round; "adaptive" picks each request's length
     (a tree's depth) per round from the load, the measured cost curve and its acceptance; "confidence" (DSpark's scheduler,
     for drafters that report calibrated confidences) admits each draft's verified prefix after

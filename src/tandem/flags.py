@@ -47,7 +47,7 @@ def add_spec_args(p: argparse.ArgumentParser,
                    action=argparse.BooleanOptionalAction, default=True,
                    help="eagle/eagle3/dflash/dspark also ask the suffix lookup (copies from the context): an "
                         "EAGLE tree grafts its draft on as a branch, a chain or block uses it instead of the "
-                        "head's whenever it has one (not under the confidence scheduler)")
+                        "head's whenever it has one")
     p.add_argument("--speculative-policy", default=None, choices=SPEC_POLICIES,
                    help="fixed: always --speculative-num-draft-tokens (default of generate and audit); adaptive "
                         "(default of serve): the draft length per request per step from load, cost curve and "

@@ -14,13 +14,14 @@ token j from position j's processed distribution, reported as q_j. The positions
 one another's tokens (each sees only the context and MASK inputs), so q_j is exactly the
 distribution token j was drawn from, which the verifier's rule needs (docs/algorithms.md
 section 1). Each token's confidence is the largest probability of its position's distribution:
-fixed before the token is drawn, so the policy may cut the draft on it.
+fixed before the token is drawn, so the policy may cut the draft on it. Every confidence is
+reported through the request's online correction (drafters/calibration.py), fitted to how its
+earlier drafts fared.
 
 With --speculative-lookup (the default) a round first asks the suffix lookup (drafters/lookup.py)
 and the head drafts only when the lookup has fewer than LOOKUP_MIN_TOKENS tokens; the rows of the
-rounds it sat out wait and are caught up on in one go. Under the confidence scheduler the head
-drafts every round: the scheduler prices the head's calibrated confidences, which a lookup draft
-does not have.
+rounds it sat out wait and are caught up on in one go. Under the confidence scheduler the
+lookup's drafts carry confidences of their own: how often its earlier drafts passed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.drafters.base import DraftInput, DraftOutcome, register
+from tandem.drafters.calibration import OnlineCalibration
 from tandem.drafters.heads.block import RowCache
 from tandem.drafters.heads.native import NativeBlock
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
@@ -54,16 +56,21 @@ class DFlashDrafter(HeadDrafter):
         self.block_size = spec.num_draft_tokens + extra
         self.contexts: dict[str, list[RowCache]] = {}
         self.natives = NativeBlock.all_of([layer.block for layer in self.head.draft_layers])
+        self.calibration = OnlineCalibration()
         self.lookup = None
-        if spec.lookup and spec.policy != "confidence":
-            self.lookup = LookupFirst(spec, target, tuple(self.head.serving_layers))
+        if spec.lookup:
+            self.lookup = LookupFirst(spec, target, tuple(self.head.serving_layers),
+                                      confidences=spec.policy == "confidence")
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
+        for o in outcomes:
+            self.calibration.observe(o.request_id, o.num_drafted, o.num_accepted)
         if self.lookup is not None:
             self.lookup.observe(outcomes)
 
     def release(self, request_id: str) -> None:
         self.contexts.pop(request_id, None)
+        self.calibration.release(request_id)
         if self.lookup is not None:
             self.lookup.release(request_id)
 
@@ -76,15 +83,18 @@ class DFlashDrafter(HeadDrafter):
         inputs = [batch[i] for i in rows]
         if self.lookup is not None:
             looked = self.lookup.propose(inputs)
-            for i, draft in zip(rows, looked):
+            for i, inp, draft in zip(rows, inputs, looked):
                 if draft is not None:
                     drafts[i] = draft
+                    self.calibration.not_drafted(inp.request_id)
             kept = [j for j, draft in enumerate(looked) if draft is None]
             rows, inputs = [rows[j] for j in kept], [self.lookup.with_pending(inputs[j]) for j in kept]
             if not rows:
                 return drafts
         contexts = [self._catch_up(inp) for inp in inputs]
-        for r, draft in zip(rows, self._drafts(inputs, self._block_states(inputs, contexts))):
+        for r, inp, draft in zip(rows, inputs, self._drafts(inputs, self._block_states(inputs, contexts))):
+            if draft.confidence:
+                draft = Draft(draft.token_ids, draft.probs, None, self.calibration.correct(inp.request_id, draft.confidence))
             drafts[r] = draft
         return drafts
 

@@ -10,6 +10,11 @@ caches then restart at the first row they have (drafts stay valid, with less con
 
 The lookup's drafts are deterministic (no q), so the verifier grades them with the one-hot rule
 under sampling too; which source drafts a round depends only on the context.
+
+For the confidence scheduler, which prices every draft by its confidences, the lookup's drafts
+carry confidences too (`confidences=True`): position j's is how often the request's earlier
+lookup drafts passed at j when every token before it had (a moving average, started from the
+server-wide one), a function of past rounds only.
 """
 
 from __future__ import annotations
@@ -33,21 +38,44 @@ from tandem.types import Draft
 LOOKUP_MIN_TOKENS = 1
 
 
+# Where the lookup's confidences start (per position, before any of its drafts was graded).
+PRIOR_CONFIDENCE = 0.5
+# Weight of a graded round in a request's moving average, and in the server-wide one.
+REQUEST_EMA = 0.3
+GLOBAL_EMA = 0.05
+
+
 class LookupFirst:
     """The suffix drafter a head asks first, and the hidden rows of the rounds it drafted."""
 
-    def __init__(self, spec: SpecConfig, target: TargetInfo, layers: tuple[int, ...]) -> None:
+    def __init__(self, spec: SpecConfig, target: TargetInfo, layers: tuple[int, ...], confidences: bool = False) -> None:
         self.suffix = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1), target)
         self.layers = layers  # the hidden layers the head reads
         # request -> (hidden rows of the lookup rounds since the head last drafted, as pieces;
         # the position after the last of them)
         self.pending: dict[str, tuple[list[dict[int, torch.Tensor]], int]] = {}
+        self.confidences = confidences
+        self.global_passed = [PRIOR_CONFIDENCE] * spec.num_draft_tokens
+        self.passed: dict[str, list[float]] = {}  # per request and position: how often its lookup drafts passed
+        self.looked: set[str] = set()  # the requests whose latest draft is the lookup's
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
         self.suffix.observe(outcomes)
+        for o in outcomes:
+            if o.request_id not in self.looked:
+                continue
+            self.looked.discard(o.request_id)
+            mine = self.passed.setdefault(o.request_id, list(self.global_passed))
+            # Position j was graded when every earlier draft token passed; the first rejection ends it.
+            for j in range(min(o.num_drafted, o.num_accepted + 1, len(mine))):
+                outcome = 1.0 if j < o.num_accepted else 0.0
+                mine[j] += REQUEST_EMA * (outcome - mine[j])
+                self.global_passed[j] += GLOBAL_EMA * (outcome - self.global_passed[j])
 
     def release(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+        self.passed.pop(request_id, None)
+        self.looked.discard(request_id)
         self.suffix.release(request_id)
 
     def propose(self, inputs: list[DraftInput]) -> list[Draft | None]:
@@ -55,11 +83,16 @@ class LookupFirst:
         hidden rows then wait for the head's next round), else None: the head drafts."""
         out: list[Draft | None] = []
         for inp, draft in zip(inputs, self.suffix.propose(inputs)):
-            if len(draft) >= LOOKUP_MIN_TOKENS:
-                self._defer(inp)
-                out.append(draft)
-            else:
+            if len(draft) < LOOKUP_MIN_TOKENS:
+                self.looked.discard(inp.request_id)
                 out.append(None)
+                continue
+            self._defer(inp)
+            self.looked.add(inp.request_id)
+            if self.confidences:
+                passed = self.passed.get(inp.request_id, self.global_passed)
+                draft = Draft(draft.token_ids, confidence=passed[: len(draft)])
+            out.append(draft)
         return out
 
     def with_pending(self, inp: DraftInput) -> DraftInput:

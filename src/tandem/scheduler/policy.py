@@ -8,9 +8,6 @@ and each request's acceptance in *earlier* rounds, never from the draft being de
 from __future__ import annotations
 
 import bisect
-import itertools
-import math
-import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -31,10 +28,6 @@ GLOBAL_EMA = 0.05
 # Per round without a draft, a request's estimate relaxes this far toward the prior, so a request
 # switched off for poor acceptance is retried after some tens of rounds rather than never.
 RELAX = 0.03
-# The confidence scheduler's online correction: the step of a request's logit offset per graded
-# position (a logistic-regression learning rate), and its bound.
-OFFSET_RATE = 0.3
-MAX_OFFSET = 4.0
 # Rounds without a draft after which the confidence scheduler prices a request as if its draft
 # would all pass, so its survivals are measured again (only where such a draft would pay).
 RETRY_ROUNDS = 32
@@ -309,15 +302,9 @@ class ConfidenceScheduler(PricedPolicy):
     (r, j). An admission that looked past a dip, or picked the best set overall, would decide on
     x_{r,j} from a value that depends on it.
 
-    Online correction. The head is calibrated on held-out answers like its training ones; on
-    other text its confidences can run high (SmolLM2's head: about 0.55 for the first token on
-    Spec-Bench, which accepts 0.31 of them). Every confidence is read as sigmoid(logit(c) + d_r),
-    where d_r, one offset per request, is fitted online to the request's own graded positions
-    (a logistic-regression step per outcome: d += OFFSET_RATE (outcome - corrected c)); a new
-    request starts from the server-wide offset. d_r depends on past rounds only.
-
-    Before drafting, `draft_lengths` prices expected survivals (a moving average of each
-    request's corrected survivals over its recent drafts; a new request's is the server-wide
+    The drafter reports its confidences already corrected online for the request
+    (drafters/calibration.py). Before drafting, `draft_lengths` prices expected survivals (a
+    moving average of each request's survivals over its recent drafts; a new request's is the server-wide
     one, which starts at 1 so that the first requests draft and measure), with the drafter's
     measured seconds per drafting request added to the cost of its first pair, and takes the
     best prefix of the ranked pairs: nothing has been drawn yet, so looking past a dip reads
@@ -332,13 +319,10 @@ class ConfidenceScheduler(PricedPolicy):
         super().__init__(spec, curve, verify_rows, min_gain, "confidence scheduler")
         if spec.tree:
             raise ValueError("the confidence scheduler verifies chains: use --speculative-eagle-topk 1")
-        self.expected: dict[str, list[float]] = {}  # each request's recent corrected survivals (past rounds only)
+        self.expected: dict[str, list[float]] = {}  # each request's recent survivals (past rounds only)
         self.global_expected = [1.0] * self.k_max  # what a new request is assumed to start with
         self.drafted: set[str] = set()  # the requests that have drafted
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
-        self.offset: dict[str, float] = {}  # each request's online logit correction d_r
-        self.global_offset = 0.0
-        self.verifying: dict[str, list[float]] = {}  # the corrected confidences of each request's admitted draft
         self.draft_rounds = 0
         self.fastest_draft = float("inf")  # the fastest round measured, per drafting request
 
@@ -363,13 +347,11 @@ class ConfidenceScheduler(PricedPolicy):
         return ks
 
     def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int) -> list[Draft]:
-        confidences, survivals = [], []
+        survivals = []
         for rid, d in zip(request_ids, drafts):
             if d.is_tree or d.confidence is None:
                 raise ValueError("the confidence scheduler needs chain drafts with confidences (dspark, dflash)")
-            shift = self.offset.get(rid, self.global_offset)
-            confidences.append([shifted(c, shift) for c in d.confidence])
-            survivals.append(list(itertools.accumulate(confidences[-1], operator.mul)))
+            survivals.append(d.survival())
             # A request's first draft replaces the server-wide guess it started from; later ones average in.
             weight = REQUEST_EMA if rid in self.drafted else 1.0
             self.drafted.add(rid)
@@ -380,22 +362,7 @@ class ConfidenceScheduler(PricedPolicy):
         # Running requests without a draft are the rest of the batch: one row, one token each.
         lengths, predicted = self._admission(batch, survivals, 0.0)
         self.last = Decision(batch, tuple(lengths), predicted * self.curve(batch) / batch)
-        for rid, conf, n in zip(request_ids, confidences, lengths):
-            self.verifying[rid] = conf[:n]
         return [d.truncated(n) for d, n in zip(drafts, lengths)]
-
-    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        """Fit the request's offset to the positions its verified draft had graded: position i
-        was graded when every earlier one passed, and passed when i < accepted."""
-        predicted = self.verifying.pop(request_id, [])
-        if not predicted:
-            return
-        start = d = self.offset.get(request_id, self.global_offset)
-        for i, c in enumerate(predicted[: min(drafted, accepted + 1)]):
-            step = OFFSET_RATE * ((1.0 if i < accepted else 0.0) - shifted(c, d - start))
-            d += step
-            self.global_offset = clamp(self.global_offset + GLOBAL_EMA * step, MAX_OFFSET)
-        self.offset[request_id] = clamp(d, MAX_OFFSET)
 
     def _admission(self, batch: int, survivals: Sequence[Sequence[float]],
                    draft_seconds: float, past_dips: bool = False) -> tuple[list[int], float]:
@@ -439,19 +406,6 @@ class ConfidenceScheduler(PricedPolicy):
         self.expected.pop(request_id, None)
         self.drafted.discard(request_id)
         self.idle.pop(request_id, None)
-        self.offset.pop(request_id, None)
-        self.verifying.pop(request_id, None)
-
-
-def clamp(x: float, bound: float) -> float:
-    return max(-bound, min(bound, x))
-
-
-def shifted(c: float, offset: float) -> float:
-    """sigmoid(logit(c) + offset): a confidence moved by a logit offset (0 and 1 stay put)."""
-    if offset == 0.0 or c <= 0.0 or c >= 1.0:
-        return c
-    return 1.0 / (1.0 + (1.0 - c) / c * math.exp(-offset))
 
 
 def create_policy(spec: SpecConfig, curve: CostCurve | None = None, per_round_drafts: bool = False,
