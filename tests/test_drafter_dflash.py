@@ -29,6 +29,7 @@ from test_drafter_heads import (
     plain,
     prefill_hidden,
     recorded_drafts,
+    recorded_lookups,
     saved_fixture,  # noqa: F401 (the fixture `saved`)
 )
 
@@ -174,14 +175,7 @@ def test_lookup_rounds_leave_their_rows_waiting_and_the_block_catches_up(saved_d
 
     llm = make_llm("dflash", saved_dflash, k=3)
     drafter = llm.engine.drafter
-    looked, sources = {}, []
-    suffix_propose = drafter.lookup.suffix.propose
-
-    def recording_lookup(inputs):
-        drafts = suffix_propose(inputs)
-        for inp, d in zip(inputs, drafts):
-            looked[inp.request_id, len(inp.token_ids)] = d.token_ids
-        return drafts
+    looked, sources = recorded_lookups(drafter), []
 
     def check(inp, draft):
         lookup = looked[inp.request_id, len(inp.token_ids)]
@@ -197,7 +191,6 @@ def test_lookup_rounds_leave_their_rows_waiting_and_the_block_catches_up(saved_d
         held = caches[0].origin + caches[0].length if caches else len(inp.token_ids) - 1 - waiting
         assert held + waiting == len(inp.token_ids) - 1
 
-    drafter.lookup.suffix.propose = recording_lookup
     seen = recorded_drafts(llm, check, COPYING_PROMPTS)
     assert {"lookup", "lookup after lookup", "block"} <= set(sources)
     head, p = drafter.head, parts()

@@ -285,14 +285,7 @@ def test_a_chain_takes_long_lookup_drafts_and_the_head_catches_up_after(variant,
 
     llm = make_llm(variant, saved(variant), k=3)
     drafter = llm.engine.drafter
-    looked, sources, last_source = {}, [], {}
-    lookup_propose = drafter.lookup.suffix.propose
-
-    def recording_lookup(inputs):
-        drafts = lookup_propose(inputs)
-        for inp, d in zip(inputs, drafts):
-            looked[inp.request_id, len(inp.token_ids)] = d.token_ids
-        return drafts
+    looked, sources, last_source = recorded_lookups(drafter), [], {}
 
     def check(inp, draft):
         lookup = looked[inp.request_id, len(inp.token_ids)]
@@ -308,13 +301,28 @@ def test_a_chain_takes_long_lookup_drafts_and_the_head_catches_up_after(variant,
         last_source[inp.request_id] = sources[-1]
         assert cache.length + waiting == expected_lengths(drafter, inp)[0]
 
-    drafter.lookup.suffix.propose = recording_lookup
     seen = recorded_drafts(llm, check, COPYING_PROMPTS)
     assert {"lookup", "lookup after lookup", "head after lookup"} <= set(sources)
     head, p = drafter.head, parts()
     for (ids, draft), source in zip(seen, sources):
         if source.startswith("head"):
             assert draft.token_ids == cache_free_chain(head, p, llm, ids, len(draft))
+
+
+def recorded_lookups(drafter) -> dict[tuple[str, int], list[int]]:
+    """Records, from now on, every draft the drafter's suffix lookup proposes: (request id,
+    context length) -> its tokens."""
+    looked = {}
+    propose = drafter.lookup.suffix.propose
+
+    def recording(inputs):
+        drafts = propose(inputs)
+        for inp, d in zip(inputs, drafts):
+            looked[inp.request_id, len(inp.token_ids)] = d.token_ids
+        return drafts
+
+    drafter.lookup.suffix.propose = recording
+    return looked
 
 
 def recorded_drafts(llm: LLM, check=None, prompts=PROMPTS) -> list[tuple[list[int], object]]:
