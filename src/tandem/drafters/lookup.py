@@ -88,8 +88,8 @@ class LookupFirst:
                 out.append(None)
                 continue
             self._defer(inp)
-            self.looked.add(inp.request_id)
             if self.confidences:
+                self.looked.add(inp.request_id)
                 passed = self.passed.get(inp.request_id, self.global_passed)
                 draft = Draft(draft.token_ids, confidence=passed[: len(draft)])
             out.append(draft)
