@@ -2,10 +2,10 @@
 
 For the default model (batch 1, a 300-token Spec-Bench summarization prompt): the target's decode
 step (the time of 32 more generated tokens, best of 5), then for each drafter named on the
-command line (METHOD:K, default eagle3:4 dflash:4 mtp:2 medusa:3, their shipped heads) the median
-time of a round that drafts 1 token and of one that drafts K, in steady state (one new committed
-row per round). Prints the ms per draft token, the cost of each further draft step and of a
-whole round, as fractions of the step.
+command line (METHOD:K, default eagle3:4 dflash:4 mtp:2 medusa:3, their shipped heads, without
+the suffix lookup in front) the median time of a round that drafts 1 token and of one that
+drafts K, in steady state (one new committed row per round). Prints the ms per draft token, the
+cost of each further draft step and of a whole round, as fractions of the step.
 
     .venv/bin/python scripts/draft_cost.py eagle3:4 dflash:4
 """
@@ -43,7 +43,9 @@ def decode_step(llm: LLM, ids: list[int]) -> float:
 
 def round_times(loaded, method: str, k: int, ids: list[int], ctx: list[int]) -> tuple[float, float]:
     """Median seconds of a round drafting 1 token and of one drafting k."""
-    drafter = LLM.from_loaded(loaded, EngineConfig(max_model_len=1024, spec=SpecConfig(method, k))).engine.drafter
+    # The head alone: with the lookup on, a round the lookup drafts never runs the head.
+    spec = SpecConfig(method, k, lookup=False)
+    drafter = LLM.from_loaded(loaded, EngineConfig(max_model_len=1024, spec=spec)).engine.drafter
     runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, 1024, torch.float32))
     out = runner.forward([SeqInput(runner.cache.allocate(), ctx[:-1])], drafter.needs.hidden_layers)
     hidden = {layer: rows[0] for layer, rows in out.hidden.items()}  # rows for ctx[:-1]
