@@ -64,7 +64,7 @@ def test_engine_drafts_equal_the_training_forward_on_the_committed_context(saved
     llm = make_llm("dspark", saved_dspark, k=3, lookup=False)
     drafter = llm.engine.drafter
     assert drafter.block_size == 3  # the anchor drafts too
-    head, online = drafter.head, drafter.calibration
+    head, online = drafter.head, drafter.online_calibration
     offsets = []
     record = lambda inp, draft: offsets.append(online.offset.get(inp.request_id, online.global_offset))  # noqa: E731
     drafts = recorded_drafts(llm, record)

@@ -56,7 +56,7 @@ class DFlashDrafter(HeadDrafter):
         self.block_size = spec.num_draft_tokens + extra
         self.contexts: dict[str, list[RowCache]] = {}
         self.natives = NativeBlock.all_of([layer.block for layer in self.head.draft_layers])
-        self.calibration = OnlineCalibration()
+        self.online_calibration = OnlineCalibration()
         self.lookup = None
         if spec.lookup:
             self.lookup = LookupFirst(spec, target, tuple(self.head.serving_layers),
@@ -64,13 +64,13 @@ class DFlashDrafter(HeadDrafter):
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
         for o in outcomes:
-            self.calibration.observe(o.request_id, o.num_drafted, o.num_accepted)
+            self.online_calibration.observe(o.request_id, o.num_drafted, o.num_accepted)
         if self.lookup is not None:
             self.lookup.observe(outcomes)
 
     def release(self, request_id: str) -> None:
         self.contexts.pop(request_id, None)
-        self.calibration.release(request_id)
+        self.online_calibration.release(request_id)
         if self.lookup is not None:
             self.lookup.release(request_id)
 
@@ -86,7 +86,7 @@ class DFlashDrafter(HeadDrafter):
             for i, inp, draft in zip(rows, inputs, looked):
                 if draft is not None:
                     drafts[i] = draft
-                    self.calibration.not_drafted(inp.request_id)
+                    self.online_calibration.not_drafted(inp.request_id)
             kept = [j for j, draft in enumerate(looked) if draft is None]
             rows, inputs = [rows[j] for j in kept], [self.lookup.with_pending(inputs[j]) for j in kept]
             if not rows:
@@ -94,7 +94,8 @@ class DFlashDrafter(HeadDrafter):
         contexts = [self._catch_up(inp) for inp in inputs]
         for r, inp, draft in zip(rows, inputs, self._drafts(inputs, self._block_states(inputs, contexts))):
             if draft.confidence:
-                draft = Draft(draft.token_ids, draft.probs, None, self.calibration.correct(inp.request_id, draft.confidence))
+                corrected = self.online_calibration.correct(inp.request_id, draft.confidence)
+                draft = Draft(draft.token_ids, draft.probs, None, corrected)
             drafts[r] = draft
         return drafts
 

@@ -319,9 +319,8 @@ class ConfidenceScheduler(PricedPolicy):
         super().__init__(spec, curve, verify_rows, min_gain, "confidence scheduler")
         if spec.tree:
             raise ValueError("the confidence scheduler verifies chains: use --speculative-eagle-topk 1")
-        self.expected: dict[str, list[float]] = {}  # each request's recent survivals (past rounds only)
+        self.expected: dict[str, list[float]] = {}  # each drafted request's recent survivals (past rounds only)
         self.global_expected = [1.0] * self.k_max  # what a new request is assumed to start with
-        self.drafted: set[str] = set()  # the requests that have drafted
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
         self.draft_rounds = 0
         self.fastest_draft = float("inf")  # the fastest round measured, per drafting request
@@ -353,8 +352,7 @@ class ConfidenceScheduler(PricedPolicy):
                 raise ValueError("the confidence scheduler needs chain drafts with confidences (dspark, dflash)")
             survivals.append(d.survival())
             # A request's first draft replaces the server-wide guess it started from; later ones average in.
-            weight = REQUEST_EMA if rid in self.drafted else 1.0
-            self.drafted.add(rid)
+            weight = REQUEST_EMA if rid in self.expected else 1.0
             mine = self.expected.setdefault(rid, list(self.global_expected))
             for j, a in enumerate(survivals[-1]):
                 mine[j] += weight * (a - mine[j])
@@ -404,7 +402,6 @@ class ConfidenceScheduler(PricedPolicy):
 
     def release(self, request_id: str) -> None:
         self.expected.pop(request_id, None)
-        self.drafted.discard(request_id)
         self.idle.pop(request_id, None)
 
 
