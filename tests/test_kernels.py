@@ -139,6 +139,25 @@ def test_attend_matches_reference_attention(window, D, kv_dtype):
         torch.testing.assert_close(out[t].view(Hq, D), ref[0, :, 0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("D", [16, 24, 64])
+def test_attend_rotates_keys_with_one_fused_multiply_add(D):
+    """RoPE is x c + rot(x) s with the second product rounded and then one fused multiply-add,
+    whether the head dim takes the 8-lane loop (16, 64) or the scalar one (24): the same bits
+    either way (checked in float64, where x c is exact)."""
+    torch.manual_seed(6)
+    k = block_kernels()
+    Hq, Hkv, M, T = 2, 2, 8, 4
+    kc, vc = torch.zeros(1, Hkv, M, D), torch.zeros(1, Hkv, M, D)
+    cos, sin = rope_tables(M, D)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D)
+    k.attend(qkv, torch.zeros(T, dtype=torch.long), torch.arange(T), cos, sin, kc, vc, Hq, Hkv, None, 0.25)
+    for p in range(T):
+        x = qkv[p, Hq * D : (Hq + Hkv) * D].view(Hkv, D)
+        second = (torch.roll(x, D // 2, -1) * sin[p]).double()
+        expected = (x.double() * cos[p].double() + second).float()
+        assert torch.equal(kc[0, :, p], expected)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("D", [24, 64, 128, 256])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
