@@ -393,7 +393,7 @@ class TreeKeys:
     keys: torch.Tensor
 
 
-def _build(out: Path, flags: list[str]) -> None:
+def _build(out: Path, flags: list[str], source: Path) -> None:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) found")
@@ -402,7 +402,7 @@ def _build(out: Path, flags: list[str]) -> None:
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         tmp_path = Path(tmp.name)
     try:
-        subprocess.run([compiler, *flags, "-o", str(tmp_path), str(SOURCE)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, "-o", str(tmp_path), str(source)], check=True, capture_output=True, text=True)
         tmp_path.replace(out)
     except subprocess.CalledProcessError as err:
         tmp_path.unlink(missing_ok=True)
@@ -410,8 +410,9 @@ def _build(out: Path, flags: list[str]) -> None:
 
 
 @functools.cache
-def load_variant(name: str) -> BlockKernels:
-    """The compiled kernels of one variant (compiled on first use); raises if it cannot run here."""
+def load_variant(name: str, source: Path = SOURCE) -> BlockKernels:
+    """The compiled kernels of one variant (compiled on first use); raises if it cannot run here.
+    source: another version of block_matmul.cpp, to time against this one (scripts/kernel_ab.py)."""
     variant = next((v for v in VARIANTS if v.name == name), None)
     if variant is None:
         raise ValueError(f"unknown kernel variant {name!r}; known: {', '.join(VARIANT_NAMES)}")
@@ -419,11 +420,11 @@ def load_variant(name: str) -> BlockKernels:
     if isa is None:
         raise ValueError(f"this CPU cannot run the {name} kernels")
     flags = [*COMMON_FLAGS, *isa, f"-DTANDEM_LANES={variant.lanes}"]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(Path(source).read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     lib_path = cache_root() / "kernels" / f"block_matmul-{name}-{key}.so"
     if not lib_path.exists():
         log.info("compiling tandem's %s CPU block kernels into %s", name, lib_path)
-        _build(lib_path, flags)
+        _build(lib_path, flags, Path(source))
     # torch is imported first, so its libgomp already serves the kernels' OpenMP pool.
     return BlockKernels(ctypes.CDLL(str(lib_path)), name, key)
 
