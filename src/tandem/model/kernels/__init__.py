@@ -420,11 +420,12 @@ def load_variant(name: str, source: Path = SOURCE) -> BlockKernels:
     if isa is None:
         raise ValueError(f"this CPU cannot run the {name} kernels")
     flags = [*COMMON_FLAGS, *isa, f"-DTANDEM_LANES={variant.lanes}"]
-    key = hashlib.sha256(Path(source).read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    source = Path(source)
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     lib_path = cache_root() / "kernels" / f"block_matmul-{name}-{key}.so"
     if not lib_path.exists():
         log.info("compiling tandem's %s CPU block kernels into %s", name, lib_path)
-        _build(lib_path, flags, Path(source))
+        _build(lib_path, flags, source)
     # torch is imported first, so its libgomp already serves the kernels' OpenMP pool.
     return BlockKernels(ctypes.CDLL(str(lib_path)), name, key)
 
