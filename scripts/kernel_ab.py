@@ -2,8 +2,8 @@
 at its end, alternating the builds in one process, and whether their logits are the same bits.
 
 For the default model with its default fp16 KV cache: each repetition runs, for every source in
-turn, a prefill of PROMPT_TOKENS tokens and then forwards of 1, 3 and 5 tokens after it (best of 5
-each). Prints each build's best and median times and the median per-repetition ratio of the
+turn, a prefill of --prompt-tokens tokens (768) and then forwards of 1, 3 and 5 tokens after it
+(best of 5 each). Prints each build's best and median times and the median per-repetition ratio of the
 first build's time to each other's (> 1: the other is faster).
 
     git show bbe9ed9:src/tandem/model/kernels/block_matmul.cpp > /tmp/before.cpp
@@ -26,7 +26,6 @@ from tandem.model.kernels import cpu_name, load_variant, selected_variant
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 
-PROMPT_TOKENS = 768
 VERIFY_SIZES = (1, 3, 5)
 
 
@@ -34,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="+", type=Path, help="versions of block_matmul.cpp (the first is the baseline)")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--prompt-tokens", type=int, default=768, help="the context the verification forwards follow")
     args = parser.parse_args()
     variant = selected_variant()
     if variant is None:
@@ -41,7 +41,7 @@ def main() -> None:
     loaded = LLM(max_model_len=2048).loaded
     runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, 2048, torch.float32, storage=torch.float16))
     builds = {str(src): FusedDecoder(loaded.model, load_variant(variant, src.resolve())) for src in args.sources}
-    prompt = list(range(100, 100 + PROMPT_TOKENS))
+    prompt = list(range(100, 100 + args.prompt_tokens))
     times: dict[tuple[str, str], list[float]] = {}
     logits: dict[str, torch.Tensor] = {}
     for _ in tqdm(range(args.repeats), desc="alternating builds", unit="round"):
@@ -58,10 +58,10 @@ def main() -> None:
                     start = time.perf_counter()
                     runner.forward([SeqInput(seq, list(range(200, 200 + n)), logits="all")])
                     best = min(best, time.perf_counter() - start)
-                    runner.cache.truncate(seq, PROMPT_TOKENS)
+                    runner.cache.truncate(seq, args.prompt_tokens)
                 times.setdefault((f"verify {n}", name), []).append(best)
             runner.cache.release(seq)
-    print(f"{cpu_name()}, kernels {variant}, {torch.get_num_threads()} threads; prompt {PROMPT_TOKENS} tokens, "
+    print(f"{cpu_name()}, kernels {variant}, {torch.get_num_threads()} threads; prompt {args.prompt_tokens} tokens, "
           f"verification forwards after it; {args.repeats} alternating repetitions")
     baseline = str(args.sources[0])
     for what in ["prefill", *(f"verify {n}" for n in VERIFY_SIZES)]:

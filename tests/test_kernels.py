@@ -100,6 +100,27 @@ def test_fused_input_transforms_and_residual():
         k.linear(torch.randn(3, 64), layer.blocks(k), transform=SWIGLU)
 
 
+@pytest.mark.parametrize("transform", [RMS_NORM, SWIGLU])
+def test_transformed_rows_do_not_depend_on_who_prepares_them(transform):
+    """Up to 8 rows every thread transforms and quantizes all of them itself; more are split
+    over the threads. Either way a row's output is the one it gets alone, bit for bit."""
+    torch.manual_seed(4)
+    k = block_kernels()
+    layer = BlockQ4Linear.quantize(torch.randn(112, 64))
+    width = 128 if transform == SWIGLU else 64
+    x = torch.randn(19, width)
+    w = torch.rand(64) + 0.5
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return k.linear(rows, layer.blocks(k), transform=transform, norm_weight=w, eps=1e-6)
+
+    alone = torch.cat([run(x[i : i + 1]) for i in range(len(x))])
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for n in (2, 8, 9, 19):
+            assert torch.equal(run(x[:n]), alone[:n]), (threads, n)
+
+
 def rope_tables(M: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.arange(M + 1, dtype=torch.float32)[:, None] * (1.0 / 100 ** (torch.arange(D // 2) / (D // 2)))
     emb = torch.cat([pos, pos], -1)

@@ -29,10 +29,13 @@
 //
 // Threads: each entry point (tandem_linear, tandem_attend, tandem_decoder_forward) opens one
 // OpenMP parallel region, and every function below it is called by all threads of that team and
-// splits its loops with orphaned worksharing (`omp for`, `omp single`), whose implicit barriers
-// order the steps. A decoder forward is therefore one fork/join, not a few per linear: on a
-// machine whose cores are shared with a server's other threads, every fork wakes sleeping
-// workers (measured: a 2-core server streamed one request at half the speed of 1 thread).
+// splits its loops with orphaned worksharing (`omp for`), whose implicit barriers order the
+// steps. A decoder forward is therefore one fork/join, not a few per linear: on a machine whose
+// cores are shared with a server's other threads, every fork wakes sleeping workers (measured: a
+// 2-core server streamed one request at half the speed of 1 thread). Scratch is sized before the
+// team starts, and work too small to split (a step's few input rows, the attention block list)
+// is done by every thread for itself, so a layer of a decode step waits at six barriers: after
+// each of its four GEMMs, after the k/v writes and after attention.
 //
 // Determinism: every output element is computed by one thread, block by block in the same order,
 // from the same quantized activation row, whatever the number of rows, the row tile or the
@@ -196,48 +199,50 @@ struct QuantizedRows {
   std::vector<float> scaled_sum;  // [n, nb]: scale * sum(q), for the q4 offset term
   std::vector<int32_t> q8_start;  // [n, nb]: -kQ8Bias * sum(q), where a q8 block's sum starts
 
+  // Room for n rows of width K; never shrinks, so a scratch serving linears of different widths
+  // in turn is not refilled each time (rows are indexed by the caller's K).
   void size_for(int64_t n, int64_t K) {
-    const int64_t nb = K / kBlock;
-    q.resize(n * K);
-    scale.resize(n * nb);
-    scaled_sum.resize(n * nb);
-    q8_start.resize(n * nb);
+    const size_t nb = static_cast<size_t>(n * (K / kBlock));
+    if (q.size() < static_cast<size_t>(n * K)) q.resize(n * K);
+    if (scale.size() < nb) {
+      scale.resize(nb);
+      scaled_sum.resize(nb);
+      q8_start.resize(nb);
+    }
   }
 };
 
-// Called by every thread of the team, `out` already sized (size_for); rows are split over them.
-void quantize_rows(const float* x, int64_t n, int64_t K, QuantizedRows& out) {
+// Row i of `out` (already sized, size_for) from the K floats at x: per block of 32, the scale
+// amax / 127 and the codes rounded half to even.
+void quantize_row(const float* x, int64_t i, int64_t K, QuantizedRows& out) {
   const int64_t nb = K / kBlock;
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
-#pragma omp for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* src = x + i * K + b * kBlock;
-      __m256 v[4], amax = _mm256_setzero_ps();
-      for (int j = 0; j < 4; ++j) {
-        v[j] = _mm256_loadu_ps(src + 8 * j);
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
-      }
-      const float s = hmax8(amax) / 127.f;
-      const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f);
-      __m256i q[4], total = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        // round half to even, as std::nearbyint in the default rounding mode
-        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        total = _mm256_add_epi32(total, q[j]);
-      }
-      const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
-      // packs interleaves 128-bit lanes: restore element order with one permute.
-      const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * K + b * kBlock), q8);
-      alignas(32) int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
-      int sum = 0;
-      for (int j = 0; j < 8; ++j) sum += lanes[j];
-      out.scale[i * nb + b] = s;
-      out.scaled_sum[i * nb + b] = s * static_cast<float>(sum);
-      out.q8_start[i * nb + b] = -kQ8Bias * sum;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* src = x + b * kBlock;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(src + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
     }
+    const float s = hmax8(amax) / 127.f;
+    const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f);
+    __m256i q[4], total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      // round half to even, as std::nearbyint in the default rounding mode
+      q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      total = _mm256_add_epi32(total, q[j]);
+    }
+    const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+    // packs interleaves 128-bit lanes: restore element order with one permute.
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * K + b * kBlock), q8);
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
+    int sum = 0;
+    for (int j = 0; j < 8; ++j) sum += lanes[j];
+    out.scale[i * nb + b] = s;
+    out.scaled_sum[i * nb + b] = s * static_cast<float>(sum);
+    out.q8_start[i * nb + b] = -kQ8Bias * sum;
   }
 }
 
@@ -267,34 +272,25 @@ inline void rms_norm_into(const float* src, int64_t K, const float* w, float eps
     _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + j), r), _mm256_loadu_ps(w + j)));
 }
 
-// Rows of the transformed input [n, K] into `out` (sized n * K), row by row in a fixed order
-// (deterministic per row); called by every thread of the team. K is a multiple of 32 (the block
-// size), so rows are whole 8-float vectors.
-void transform_rows(const float* x, int64_t n, int64_t K, int64_t x_stride, int transform, const float* w,
-                    float eps, float* out) {
+// One input row transformed into `dst` [K], in a fixed order (deterministic per row). K is a
+// multiple of 32 (the block size), so rows are whole 8-float vectors.
+void transform_row(const float* src, int64_t K, int transform, const float* w, float eps, float* dst) {
   const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
-#pragma omp for schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float* src = x + i * x_stride;
-    float* dst = out + i * K;
-    if (transform == kRmsNorm) {
-      rms_norm_into(src, K, w, eps, dst);
-    } else if (transform == kSwiGLU) {  // g / (1 + e^-g) * u
-      for (int64_t j = 0; j < K; j += 8) {
-        const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
-      }
-    } else if (transform == kGeGLU) {  // 0.5 g (1 + tanh(c (g + 0.044715 g^3))) u, tanh z = 1 - 2 / (e^2z + 1)
-      const __m256 c2 = _mm256_set1_ps(2.f * 0.7978845608028654f), k3 = _mm256_set1_ps(0.044715f);
-      for (int64_t j = 0; j < K; j += 8) {
-        const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
-        const __m256 z2 = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k3, g), _mm256_mul_ps(g, g), g));
-        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(exp8(z2), one)));
-        _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, t)), u));
-      }
-    } else {
-      std::copy(src, src + K, dst);
+  if (transform == kRmsNorm) {
+    rms_norm_into(src, K, w, eps, dst);
+  } else if (transform == kSwiGLU) {  // g / (1 + e^-g) * u
+    for (int64_t j = 0; j < K; j += 8) {
+      const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
+    }
+  } else if (transform == kGeGLU) {  // 0.5 g (1 + tanh(c (g + 0.044715 g^3))) u, tanh z = 1 - 2 / (e^2z + 1)
+    const __m256 c2 = _mm256_set1_ps(2.f * 0.7978845608028654f), k3 = _mm256_set1_ps(0.044715f);
+    for (int64_t j = 0; j < K; j += 8) {
+      const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
+      const __m256 z2 = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k3, g), _mm256_mul_ps(g, g), g));
+      const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(exp8(z2), one)));
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, t)), u));
     }
   }
 }
@@ -460,30 +456,47 @@ void packed_matmul(const LinearCall& c, const QuantizedRows& xq) {
   }
 }
 
-// What a linear needs between its steps, shared by the team (sized by one thread).
+// The quantized input of a linear, shared by the team; sized before the team starts, for the
+// widest input of the linears it will serve (rows are indexed by that linear's own K).
 struct LinearScratch {
-  std::vector<float> rows;  // the transformed input
   QuantizedRows xq;
+
+  void size_for(int64_t n, int64_t max_K) { xq.size_for(n, max_K); }
 };
 
-// Called by every thread of the team: transform, quantize, multiply, each split over the threads
-// and ended by a barrier.
+// At most this many rows, every thread transforms and quantizes all of them into its own copy, so
+// the multiply needs no barrier before it (a decode or verification step has ten barriers per
+// layer instead of fourteen). More rows are split over the threads into the shared copy.
+constexpr int64_t kPrivateRows = kRowTile;
+
+// Called by every thread of the team, `s` already sized: transform and quantize the rows, then
+// multiply (split over the output groups, ended by a barrier). Either way each row is prepared by
+// the same code from the same input, so the products do not depend on which copy they read.
 void linear(const LinearCall& c, LinearScratch& s) {
-  const int64_t K = c.w->K;
-  const bool transformed = c.transform != kIdentity || c.x_stride != K;
-#pragma omp single
-  {
-    if (transformed) s.rows.resize(c.n * K);
-    s.xq.size_for(c.n, K);
+  const int64_t K = c.w->K, n = c.n;
+  const bool transformed = c.transform != kIdentity;
+  static thread_local std::vector<float> row;
+  static thread_local QuantizedRows own;
+  if (transformed) row.resize(K);
+  auto prepare = [&](int64_t i, QuantizedRows& into) {
+    const float* src = c.x + i * c.x_stride;
+    if (transformed) {
+      transform_row(src, K, c.transform, c.norm_w, c.eps, row.data());
+      src = row.data();
+    }
+    quantize_row(src, i, K, into);
+  };
+  const QuantizedRows* xq = &s.xq;
+  if (n <= kPrivateRows) {
+    own.size_for(n, K);
+    for (int64_t i = 0; i < n; ++i) prepare(i, own);
+    xq = &own;
+  } else {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) prepare(i, s.xq);
   }
-  const float* X = c.x;
-  if (transformed) {
-    transform_rows(c.x, c.n, K, c.x_stride, c.transform, c.norm_w, c.eps, s.rows.data());
-    X = s.rows.data();
-  }
-  quantize_rows(X, c.n, K, s.xq);
-  if (c.w->q4) packed_matmul<true>(c, s.xq);
-  else packed_matmul<false>(c, s.xq);
+  if (c.w->q4) packed_matmul<true>(c, *xq);
+  else packed_matmul<false>(c, *xq);
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -746,15 +759,9 @@ void attend_block(const Query* qs, int n, const KvT* K, const KvT* V, float scal
   }
 }
 
-// The query blocks of one attend call, shared by the team (built by one thread).
-struct AttendScratch {
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // [first, end) into `order`
-  std::vector<int64_t> order;                      // t * Hq + h
-};
-
 // Called by every thread of the team.
 template <typename KvT>
-void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache, AttendScratch& s) {
+void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
   const int64_t T = a.T, Hq = a.Hq, Hkv = a.Hkv, D = a.D, M = a.M;
   const int64_t width = (Hq + 2 * Hkv) * D;
   // Phase 1: rotate k and write k, v of every token (later tokens of a chain attend to them);
@@ -780,13 +787,14 @@ void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache, AttendScratch& 
   }
   // Phase 2: the (token, head) queries in blocks of up to `share` queries of one sequence's kv
   // head, which read that head's keys once per block. The blocks are small enough to give every
-  // thread work; how the queries are blocked changes no arithmetic (see attend_heads).
+  // thread work; how the queries are blocked changes no arithmetic (see attend_heads). Every
+  // thread lists the same blocks for itself (a few hundred entries), which costs less than
+  // another barrier to share one list.
   const int64_t group = Hq / Hkv;
   const int fast = D == 64 || D == 128 || D == 256;
   const int64_t share = fast ? std::clamp<int64_t>(T * Hq / (2 * a.threads), 1, max_shared_queries(D)) : 1;
-  auto& blocks = s.blocks;
-  auto& order = s.order;
-#pragma omp single
+  static thread_local std::vector<std::pair<int64_t, int64_t>> blocks;  // [first, end) into `order`
+  static thread_local std::vector<int64_t> order;                      // t * Hq + h
   {
     blocks.clear();
     order.clear();
@@ -839,9 +847,9 @@ void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache, AttendScratch& 
 }
 
 // Called by every thread of the team.
-void attend(const AttendArgs& a, AttendScratch& s) {
-  if (a.kv_half) attend_typed(a, static_cast<uint16_t*>(a.kcache), static_cast<uint16_t*>(a.vcache), s);
-  else attend_typed(a, static_cast<float*>(a.kcache), static_cast<float*>(a.vcache), s);
+void attend(const AttendArgs& a) {
+  if (a.kv_half) attend_typed(a, static_cast<uint16_t*>(a.kcache), static_cast<uint16_t*>(a.vcache));
+  else attend_typed(a, static_cast<float*>(a.kcache), static_cast<float*>(a.vcache));
 }
 
 // ---- the decoder stack in one call ----------------------------------------------------------
@@ -899,7 +907,6 @@ void add_normed(float* x, const float* y, int64_t n, int64_t H, const float* w, 
 struct ForwardScratch {
   std::vector<float> qkv, attn, gate_up, projected;
   LinearScratch linear;
-  AttendScratch attend;
 };
 
 // Each layer: x += post(o(attend(qkv(rms_norm(x))))); x += post(down(act(gate_up(rms_norm(x)))))
@@ -921,11 +928,14 @@ void add_projection(const Weights* w, const float* in, int64_t T, int64_t in_str
 void decoder_forward(const DecoderArgs& a) {
   const int64_t T = a.T, H = a.H;
   ForwardScratch s;
-  int64_t qkv_n = 0, gate_up_n = 0;
+  int64_t qkv_n = 0, gate_up_n = 0, max_K = 0;
   for (int64_t l = 0; l < a.num_layers; ++l) {
-    qkv_n = std::max(qkv_n, a.layers[l].qkv->N);
-    gate_up_n = std::max(gate_up_n, a.layers[l].gate_up->N);
+    const DecoderLayer& layer = a.layers[l];
+    qkv_n = std::max(qkv_n, layer.qkv->N);
+    gate_up_n = std::max(gate_up_n, layer.gate_up->N);
+    for (const Weights* w : {layer.qkv, layer.o, layer.gate_up, layer.down}) max_K = std::max(max_K, w->K);
   }
+  s.linear.size_for(T, max_K);
   s.qkv.resize(T * qkv_n);
   s.gate_up.resize(T * gate_up_n);
   s.attn.resize(T * a.Hq * a.D);
@@ -937,8 +947,7 @@ void decoder_forward(const DecoderArgs& a) {
     linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, s.qkv.data(), 0}, s.linear);
     attend({s.qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
             static_cast<char*>(a.kcache) + l * layer_bytes, static_cast<char*>(a.vcache) + l * layer_bytes, a.M,
-            layer.window, a.scale, s.attn.data(), a.threads, layer.q_norm, layer.k_norm, a.eps, a.kv_half},
-           s.attend);
+            layer.window, a.scale, s.attn.data(), a.threads, layer.q_norm, layer.k_norm, a.eps, a.kv_half});
     add_projection(layer.o, s.attn.data(), T, a.Hq * a.D, kIdentity, layer.post_attn_norm, a.eps, a.x, H, s);
     linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, s.gate_up.data(), 0}, s.linear);
     add_projection(layer.down, s.gate_up.data(), T, layer.gate_up->N, a.activation, layer.post_mlp_norm, a.eps, a.x,
@@ -986,13 +995,13 @@ int tandem_lanes() { return kLanes; }
 int tandem_q8_bias() { return kQ8Bias; }
 void tandem_linear(const LinearCall* c) {
   LinearScratch s;
+  s.size_for(c->n, c->w->K);
 #pragma omp parallel num_threads(c->threads)
   linear(*c, s);
 }
 void tandem_attend(const AttendArgs* a) {
-  AttendScratch s;
 #pragma omp parallel num_threads(a->threads)
-  attend(*a, s);
+  attend(*a);
 }
 void tandem_decoder_forward(const DecoderArgs* a) { decoder_forward(*a); }
 int64_t tandem_int8_peak(int64_t iters, int threads) { return int8_peak(iters, threads); }
