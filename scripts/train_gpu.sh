@@ -8,12 +8,14 @@
 # the heads you need in METHODS when one of them matters most.
 #
 # Usage: scripts/train_gpu.sh OUT_DIR [more `tandem train` options for every run]
-# Knobs (environment): TANDEM (command, default tandem), TARGET, NUM_PROMPTS, MAX_NEW_TOKENS,
-# GENERATION_BATCH, DATA_MINUTES (answering budget), METHODS (default "eagle3 medusa mtp"),
-# TRAIN_MINUTES (per head), EAGLE3_STEPS, MEDUSA_STEPS, MTP_STEPS, EAGLE3_BATCH, EAGLE3_LR, EAGLE3_INIT
-# (an exported eagle3 head to fine-tune instead of a fresh one),
+# Knobs (environment): TANDEM (command, default tandem), TARGET, DEVICE (cuda; cpu for a smoke
+# run), NUM_PROMPTS, MAX_NEW_TOKENS, GENERATION_BATCH, DATA_MINUTES (answering budget), METHODS
+# (default "eagle3 medusa mtp"; also dflash, dspark, draft_model), TRAIN_MINUTES (per head),
 # PROMPT_CONTEXT (prompt tokens kept in training batches, 0 = all), CAPTURE_IN_MEMORY (1, or 0
 # for disk shards made once; CAPTURE_LAYERS then adds layers to them, mtp's L-1 by default).
+# Per method, with its name in capitals (EAGLE3, MEDUSA, MTP, DFLASH, DSPARK, DRAFT_MODEL):
+# <NAME>_STEPS, <NAME>_BATCH, <NAME>_LR, and <NAME>_INIT (an exported head of that method to
+# fine-tune instead of a fresh one; it keeps its own options).
 # Each head lands in OUT_DIR/<method> (loadable by --speculative-draft-model-path), its log in
 # OUT_DIR/<method>.log.
 set -euo pipefail
@@ -27,12 +29,12 @@ read -r -a tandem <<< "${TANDEM:-tandem}"
 read -r -a methods <<< "${METHODS:-eagle3 medusa mtp}"
 for method in "${methods[@]}"; do  # before any GPU time is spent
     case $method in
-        eagle3|medusa|mtp) ;;
-        *) echo "[train_gpu] unknown method $method (eagle3, medusa, mtp)" >&2; exit 2 ;;
+        eagle3|medusa|mtp|dflash|dspark|draft_model) ;;
+        *) echo "[train_gpu] unknown method $method (eagle3, medusa, mtp, dflash, dspark, draft_model)" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$out"
-common=(--target "${TARGET:-smollm2-135m-instruct}" --device cuda --backend transformers
+common=(--target "${TARGET:-smollm2-135m-instruct}" --device "${DEVICE:-cuda}" --backend transformers
         --num-prompts "${NUM_PROMPTS:-30000}" --held-out 48 --max-new-tokens "${MAX_NEW_TOKENS:-192}"
         --generation-batch "${GENERATION_BATCH:-512}" --max-prompt-context "${PROMPT_CONTEXT:-0}" "$@")
 capture=()
@@ -51,20 +53,39 @@ train() {
     "${tandem[@]}" -v train --method "$method" --out "$out/$method" "${common[@]}" "${capture[@]}" \
         --max-data-minutes 0 --max-minutes "${TRAIN_MINUTES:-30}" "$@" > "$out/$method.log" 2>&1
 }
-eagle3_head=(--draft-vocab-size 8192 --head-option unroll_steps=5)
-if [ -n "${EAGLE3_INIT:-}" ]; then  # fine-tune an exported head (it keeps its own options)
-    eagle3_head=(--init-from "$EAGLE3_INIT")
-fi
+# A method's knob: knob METHOD NAME DEFAULT reads e.g. DSPARK_STEPS, else the default.
+knob() {
+    local var
+    var="$(echo "$1" | tr '[:lower:]' '[:upper:]')_$2"
+    echo "${!var:-$3}"
+}
+# The head each method trains when it does not start from an exported one (<NAME>_INIT).
+head_options() {
+    case $1 in
+        eagle3) echo "--draft-vocab-size 8192 --head-option unroll_steps=5" ;;
+        medusa) echo "--num-heads 3" ;;
+        mtp) echo "--depth 2" ;;
+        dflash|dspark) echo "--draft-vocab-size 8192 --head-option block_size=8 --head-option anchors_per_sequence=16" ;;
+        draft_model) echo "--num-layers 2" ;;
+    esac
+}
 pids=()
 for method in "${methods[@]}"; do
     case $method in
-        eagle3) train eagle3 "${eagle3_head[@]}" --steps "${EAGLE3_STEPS:-4000}" --batch-size "${EAGLE3_BATCH:-32}" \
-                    --lr "${EAGLE3_LR:-2e-3}" --eval-every 500 --checkpoint-every 250 & pids+=($!) ;;
-        medusa) train medusa --num-heads 3 --steps "${MEDUSA_STEPS:-4000}" --batch-size 32 --lr 3e-3 \
-                    --eval-every 500 --checkpoint-every 250 & pids+=($!) ;;
-        mtp) train mtp --depth 2 --steps "${MTP_STEPS:-4000}" --batch-size 32 --lr 1e-3 \
-                 --eval-every 500 --checkpoint-every 250 & pids+=($!) ;;
+        eagle3) steps=4000 batch=32 lr=2e-3 ;;
+        medusa) steps=4000 batch=32 lr=3e-3 ;;
+        mtp) steps=4000 batch=32 lr=1e-3 ;;
+        dflash|dspark) steps=4000 batch=32 lr=1e-3 ;;
+        draft_model) steps=2000 batch=16 lr=1e-3 ;;
     esac
+    init=$(knob "$method" INIT "")
+    if [ -n "$init" ]; then
+        head=(--init-from "$init")
+    else
+        read -r -a head <<< "$(head_options "$method")"
+    fi
+    train "$method" "${head[@]}" --steps "$(knob "$method" STEPS $steps)" --batch-size "$(knob "$method" BATCH $batch)" \
+        --lr "$(knob "$method" LR $lr)" --eval-every 500 --checkpoint-every 250 & pids+=($!)
 done
 status=0
 for pid in "${pids[@]}"; do

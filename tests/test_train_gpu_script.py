@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_gpu.sh"
 RECORDER = """import json, sys
 with open(sys.argv[1], "a") as f:
@@ -60,3 +62,39 @@ def test_knobs_pick_methods_init_and_disk_capture(tmp_path):
 def test_an_unknown_method_is_refused_before_anything_runs(tmp_path):
     done, argvs = _run(tmp_path, METHODS="eagle3 nonsense")
     assert done.returncode == 2 and "unknown method nonsense" in done.stderr and argvs == []
+
+
+def test_block_drafters_and_the_draft_model_train_with_their_own_knobs(tmp_path):
+    done, argvs = _run(tmp_path, METHODS="dflash dspark draft_model", DSPARK_INIT="/heads/dspark", DFLASH_STEPS="900",
+                       DFLASH_BATCH="64", DSPARK_LR="5e-4", DRAFT_MODEL_STEPS="300", DEVICE="cpu")
+    assert done.returncode == 0, done.stderr
+    data, *runs = argvs
+    assert _value(data, "--device") == "cpu"
+    by_method = {_value(a, "--method"): a for a in runs}
+    assert sorted(by_method) == ["dflash", "draft_model", "dspark"]
+    dflash, dspark, draft_model = by_method["dflash"], by_method["dspark"], by_method["draft_model"]
+    assert _value(dflash, "--steps") == "900" and _value(dflash, "--batch-size") == "64"
+    assert _value(dflash, "--draft-vocab-size") == "8192" and "block_size=8" in dflash and "--init-from" not in dflash
+    # an exported head keeps its own options: no head options beside --init-from
+    assert _value(dspark, "--init-from") == "/heads/dspark" and "--draft-vocab-size" not in dspark
+    assert _value(dspark, "--lr") == "5e-4" and _value(dspark, "--steps") == "4000"
+    assert _value(draft_model, "--num-layers") == "2" and _value(draft_model, "--steps") == "300"
+    assert all(_value(a, "--device") == "cpu" and "--capture-in-memory" in a for a in runs)
+
+
+@pytest.mark.slow
+def test_a_cpu_smoke_run_trains_and_exports_the_block_drafters(tmp_path):
+    """The real `tandem train` behind the script (DEVICE=cpu, a few answers and steps): the
+    transformers backend's answers, the in-memory capture and both block drafters' exports work
+    together before a GPU slot is spent on them."""
+    out = tmp_path / "out"
+    env = {**os.environ, "TANDEM": f"{sys.executable} -m tandem.cli", "DEVICE": "cpu", "METHODS": "dflash dspark",
+           "NUM_PROMPTS": "6", "MAX_NEW_TOKENS": "12", "GENERATION_BATCH": "4", "DATA_MINUTES": "5",
+           "TRAIN_MINUTES": "5", "DFLASH_STEPS": "2", "DSPARK_STEPS": "2", "DFLASH_BATCH": "2", "DSPARK_BATCH": "2"}
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "--held-out", "3", "--data-dir", str(tmp_path / "data")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for method in ("dflash", "dspark"):
+        head = json.loads((out / method / "head.json").read_text())
+        assert head["method"] == method and (out / method / "head.safetensors").is_file()
+        assert f"[train_gpu] {method}: " in done.stdout and "held-out" in (out / f"{method}.log").read_text()
