@@ -247,6 +247,10 @@ def test_parse_methods():
     assert chain == Method("eagle3", num_draft_tokens=4) and chain.label == "eagle3@k=4"
     assert tree == Method("eagle3", None, 16, 4, 6, False) and tree.label == "eagle3@k=16@topk=4@steps=6@lookup=0"
     assert bare.label == "eagle3"
+    # The suffix corpus on and off side by side, each reaching the engine's settings.
+    with_corpus, without = parse_methods(["suffix", "suffix@corpus=0"])
+    assert with_corpus.spec_config(4).corpus and not without.spec_config(4).corpus
+    assert without.label == "suffix@corpus=0"
     with pytest.raises(ValueError, match="bad option 'depth=3'"):
         parse_methods(["eagle3@depth=3"])
     with pytest.raises(ValueError, match="bad option 'topk=x'"):

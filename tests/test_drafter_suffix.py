@@ -11,7 +11,8 @@ import torch
 
 from tandem.config import SamplingParams, SpecConfig
 from tandem.drafters import DraftInput, DraftOutcome, TargetInfo, create_drafter
-from tandem.drafters.suffix import SuffixDrafter, SuffixTrie
+from tandem.drafters.suffix import SuffixDrafter
+from tandem.drafters.suffix_trie import SuffixTrie
 
 TARGET = TargetInfo(vocab_size=1000, eos_token_ids=(2,))
 

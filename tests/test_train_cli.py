@@ -144,3 +144,25 @@ def test_train_cli_records_a_dspark_heads_calibration(tiny_target, tmp_path):
     for kind in ("greedy", "sampled"):
         calibration = record["calibration"][kind]
         assert len(calibration["temperatures"]) == 3 and calibration["ece_after"] <= calibration["ece_before"]
+
+
+def test_train_cli_writes_a_suffix_corpus_of_the_answers(tiny_target, tmp_path, capsys):
+    from tandem.drafters.corpus import read_corpus
+
+    root, prompts = tiny_target
+    argv = ["train", "--target", str(root), "--method", "suffix", "--prompts", str(prompts), "--out",
+            str(tmp_path / "corpus"), "--data-dir", str(tmp_path / "data"), "--num-prompts", "12", "--held-out", "4",
+            "--max-new-tokens", "8", "--corpus-tokens", "20"]
+    assert main(argv) == 0
+    assert "held-out replay" in capsys.readouterr().out
+    config, answers = read_corpus(tmp_path / "corpus", 97)
+    record = json.loads((tmp_path / "corpus" / "training_record.json").read_text())
+    assert record.pop("command_seconds") >= 0 and record == config["record"] and record["method"] == "suffix"
+    # the first answers until 20 tokens: 3 of 8 tokens each
+    assert len(answers) == 3 and config["tokens"] == record["corpus"]["tokens"] == 24
+    held = record["held_out"]
+    assert held["with_corpus"]["tokens"] == held["without_corpus"]["tokens"] > 0
+    assert held["with_corpus"]["tau"] >= 1.0 and len(held["with_corpus"]["acceptance"]) == 4
+    assert not list((tmp_path / "data").glob("answers-*/capture-*"))  # no hidden states for a corpus
+    assert main([*argv, "--init-from", str(tmp_path / "corpus")]) == 2
+    assert "no head" in capsys.readouterr().err

@@ -100,7 +100,9 @@ class SpecConfig:
     DSpark drafter also asks the suffix drafter (model-free; it wins where the answer copies its
     context: translation, summaries, RAG): an EAGLE tree gets its draft grafted on as one more
     branch, a chain or a block takes its draft instead of the head's whenever it has one
-    (drafters/lookup.py).
+    (drafters/lookup.py). corpus: suffix decoding (and that lookup) also matches the context
+    against a corpus of the target's own answers (drafters/corpus.py): the one tandem ships for
+    the target, or for suffix decoding the directory in draft_model_path.
     policy: "fixed" drafts the full length every round; "adaptive" picks each request's length
     (a tree's depth) per round from the load, the measured cost curve and its acceptance; "confidence" (DSpark's scheduler,
     for drafters that report calibrated confidences) admits each draft's verified prefix after
@@ -117,6 +119,7 @@ class SpecConfig:
     num_steps: int | None = None
     eagle_topk: int = 1
     lookup: bool = True
+    corpus: bool = True
     policy: str = "fixed"
     min_survival: float = 0.0
 

@@ -48,6 +48,11 @@ def add_spec_args(p: argparse.ArgumentParser,
                    help="eagle/eagle3/dflash/dspark also ask the suffix lookup (copies from the context): an "
                         "EAGLE tree grafts its draft on as a branch, a chain or block uses it instead of the "
                         "head's whenever it has one")
+    p.add_argument("--speculative-corpus", dest="speculative_corpus", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="suffix decoding (and the lookup) also match the context against a corpus of the "
+                        "target's own answers: the one tandem ships for the model, or for suffix the "
+                        "--speculative-draft-model-path directory made by `tandem train --method suffix`")
     p.add_argument("--speculative-policy", default=None, choices=SPEC_POLICIES,
                    help="fixed: always --speculative-num-draft-tokens (default of generate and audit); adaptive "
                         "(default of serve): the draft length per request per step from load, cost curve and "

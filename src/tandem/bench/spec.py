@@ -69,13 +69,14 @@ class Method:
     eagle_topk: int = 1
     num_steps: int | None = None
     lookup: bool = True
+    corpus: bool = True
     scheduled: bool = False  # verified under the confidence scheduler (dspark), not the full draft
 
     def spec_config(self, num_draft_tokens: int) -> SpecConfig:
         """The engine settings of this method, drafting `num_draft_tokens` unless it names its own."""
         return SpecConfig(algorithm=self.algorithm, num_draft_tokens=self.num_draft_tokens or num_draft_tokens,
                           draft_model_path=self.draft_path, eagle_topk=self.eagle_topk, num_steps=self.num_steps,
-                          lookup=self.lookup, policy="confidence" if self.scheduled else "fixed")
+                          lookup=self.lookup, corpus=self.corpus, policy="confidence" if self.scheduled else "fixed")
 
     @property
     def label(self) -> str:
@@ -90,6 +91,8 @@ class Method:
             name += f"@steps={self.num_steps}"
         if not self.lookup:
             name += "@lookup=0"
+        if not self.corpus:
+            name += "@corpus=0"
         if self.scheduled:
             name += "@sched=1"
         return name
@@ -97,7 +100,7 @@ class Method:
 
 # NAME[=PATH]@key=value options of --methods, and the Method field each sets.
 METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_steps", "lookup": "lookup",
-                  "sched": "scheduled"}
+                  "corpus": "corpus", "sched": "scheduled"}
 
 
 def parse_methods(items: list[str]) -> list[Method]:
@@ -120,8 +123,8 @@ def parse_methods(items: list[str]) -> list[Method]:
             key, _, value = option.partition("=")
             if key not in METHOD_OPTIONS or not value.isdigit():
                 raise ValueError(f"bad option {option!r} in --methods item {item!r}; use @k=N, @topk=N, @steps=N, "
-                                 "@lookup=0|1 or @sched=0|1 (the confidence scheduler)")
-            fields[METHOD_OPTIONS[key]] = bool(int(value)) if key in ("lookup", "sched") else int(value)
+                                 "@lookup=0|1, @corpus=0|1 or @sched=0|1 (the confidence scheduler)")
+            fields[METHOD_OPTIONS[key]] = bool(int(value)) if key in ("lookup", "corpus", "sched") else int(value)
         methods.append(Method(name, path or None, **fields))
     if not methods:
         raise ValueError("--methods is empty; name at least one drafter")
@@ -263,7 +266,7 @@ def run_spec_bench(
         "num_prompts": len(cases),
         "methods": [{"label": m.label, "algorithm": m.algorithm, "draft_path": m.draft_path,
                      "num_draft_tokens": m.num_draft_tokens or num_draft_tokens, "eagle_topk": m.eagle_topk,
-                     "num_steps": m.num_steps, "lookup": m.lookup} for m in methods],
+                     "num_steps": m.num_steps, "lookup": m.lookup, "corpus": m.corpus} for m in methods],
         "transformers": baselines.describe() if baselines else None,
         "definitions": DEFINITIONS,
         "machine": machine_info(),

@@ -49,7 +49,9 @@ class LookupFirst:
     """The suffix drafter a head asks first, and the hidden rows of the rounds it drafted."""
 
     def __init__(self, spec: SpecConfig, target: TargetInfo, layers: tuple[int, ...], confidences: bool = False) -> None:
-        self.suffix = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1), target)
+        # The head's path is not a corpus: the lookup matches the shipped one (spec.corpus).
+        self.suffix = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1, draft_model_path=None),
+                                    target)
         self.layers = layers  # the hidden layers the head reads
         # request -> (hidden rows of the lookup rounds since the head last drafted, as pieces;
         # the position after the last of them)

@@ -1,4 +1,5 @@
-"""`tandem train`: prompts -> self-distilled answers -> captured hidden states -> a trained head in --out.
+"""`tandem train`: prompts -> self-distilled answers -> captured hidden states -> a trained head in --out
+(for --method suffix: the answers themselves, as suffix decoding's corpus).
 
 Every stage is cached under --data-dir and resumable, so the command can be stopped and rerun
 (with --resume for the optimisation) across sessions.
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import DEVICES, DTYPES, QUANTIZATIONS
+from tandem.config import DEVICES, DTYPES, QUANTIZATIONS, SpecConfig
+from tandem.drafters.corpus import DEFAULT_CORPUS_TOKENS
 from tandem.drafters.heads.base import TargetParts
 from tandem.drafters.heads.io import build_head, load_head, read_head_config, save_head
 from tandem.llm import LLM
@@ -25,6 +27,7 @@ from tandem.paths import cache_root
 from tandem.train.capture import CapturedData, capture_in_memory, engine_forward_factory, sequences, write_captures
 from tandem.train.data import DistillConfig, PromptSplit, distill, load_prompts
 from tandem.train.hf_backend import distill_hf, hf_forward_factory, load_hf_target
+from tandem.train.suffix_corpus import export_corpus
 from tandem.train.trainer import CHECKPOINT, TrainConfig, TrainResult, calibrate, train
 
 log = logging.getLogger("tandem.train")
@@ -38,10 +41,12 @@ def default_prompt_files() -> list[Path]:
 
 
 def add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3, mtp, draft_model, dflash) for a target",
+    p = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3, mtp, draft_model, dflash, dspark) or a suffix corpus for a target",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=DEFAULT_MODEL, help="the target model (built-in name, HF directory or .gguf)")
-    p.add_argument("--method", required=True, help="draft-head method (medusa, eagle, eagle3, mtp, draft_model, dflash)")
+    p.add_argument("--method", required=True,
+                   help="draft-head method (medusa, eagle, eagle3, mtp, draft_model, dflash, dspark), or suffix: "
+                        "a corpus of the target's answers for suffix decoding")
     p.add_argument("--prompts", nargs="+", default=None,
                    help="prompt files (.json/.jsonl: turns, question, instruction/input, prompt, or JSON strings); "
                         "default: the training sets shipped in tandem/data/train")
@@ -105,6 +110,8 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
                         "for a GPU with room for tokens x layers x hidden x 2 bytes); --data-only then caches the "
                         "answers only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-tokens", type=int, default=DEFAULT_CORPUS_TOKENS,
+                   help="--method suffix: the answer tokens the corpus keeps (the first training answers)")
     p.add_argument("--capture-layers", type=int, nargs="*", default=[],
                    help="extra target layers to store with the head's (one capture can then serve other methods)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"],
@@ -175,6 +182,9 @@ def cmd_train(args) -> int:
     loaded, forward_model, dcfg, answers_dir, held_records, train_records = answer(args, split, deadline)
     if not train_records:
         raise ValueError("no training prompt is answered yet; raise --max-data-minutes")
+    if args.method == "suffix":  # a corpus, not a head: nothing to capture or optimise
+        return _export_suffix_corpus(args, loaded.name, loaded.config.vocab_size, files, split, dcfg,
+                                     train_records, held_records, t_start)
 
     # 2. The head, and the hidden states it needs.
     torch.manual_seed(args.seed)
@@ -219,12 +229,39 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _export_suffix_corpus(args, target_name: str, vocab_size: int, files: list[Path], split: PromptSplit,
+                          dcfg: DistillConfig, train_records: list[dict], held_records: list[dict],
+                          t_start: float) -> int:
+    record = {
+        "target": target_name,
+        "method": "suffix",
+        "data": {"prompt_files": [f.name for f in files], "train_prompts": len(train_records),
+                 "held_out_prompts": len(split.held_out), "distillation": asdict(dcfg)},
+    }
+    k = SpecConfig().num_draft_tokens
+    record = export_corpus(args.out, target_name, vocab_size, train_records, held_records, args.corpus_tokens, k, record)
+    record["command_seconds"] = round(time.perf_counter() - t_start, 1)
+    Path(args.out, RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    held = record["held_out"]
+    corpus = record["corpus"]
+    print(f"suffix corpus for {target_name}: {corpus['answers']} answers, {corpus['tokens']} tokens; written to {args.out}")
+    print(f"held-out replay ({held['with_corpus']['answers']} answers, k = {k}): tau {held['with_corpus']['tau']:.3f} "
+          f"with the corpus, {held['without_corpus']['tau']:.3f} without; acceptance per position "
+          + " ".join(f"{a:.3f}" for a in held["with_corpus"]["acceptance"]))
+    return 0
+
+
 def _check_train_args(args, options: dict) -> str:
     """Reject flag combinations that cannot work before anything is loaded; returns the backend."""
     if args.max_prompt_context < 0:
         raise ValueError(f"--max-prompt-context must be >= 0 (0 = the whole prompt), got {args.max_prompt_context}")
     if args.resume and not (Path(args.out) / CHECKPOINT).exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
+    if args.method == "suffix" and (args.init_from or args.resume or args.capture_in_memory):
+        raise ValueError("--method suffix writes a corpus of answers: there is no head to --init-from, --resume "
+                         "or capture for")
+    if args.corpus_tokens < 1:
+        raise ValueError(f"--corpus-tokens must be >= 1, got {args.corpus_tokens}")
     if args.init_from:
         init_method = read_head_config(args.init_from)["method"]  # also: a clear error when there is no head
         if init_method != args.method:
