@@ -101,6 +101,11 @@ def test_a_mode_names_its_policy_and_may_name_its_drafter():
     assert mode_flags("off") == ["--speculative-algorithm", "none"]
     assert mode_flags("adaptive") == ["--speculative-policy", "adaptive"]
     assert mode_flags("confidence:dspark") == ["--speculative-policy", "confidence", "--speculative-algorithm", "dspark"]
+    assert mode_flags("adaptive:suffix@corpus=0") == ["--speculative-policy", "adaptive", "--speculative-algorithm",
+                                                      "suffix", "--no-speculative-corpus"]
+    assert mode_flags("fixed:eagle3@lookup=1")[-1] == "--speculative-lookup"
+    with pytest.raises(ValueError, match="bad option 'k=3'"):
+        mode_flags("adaptive:suffix@k=3")
     with pytest.raises(ValueError, match="POLICY"):
         mode_flags("greedy:dspark")
 

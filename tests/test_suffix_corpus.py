@@ -126,3 +126,29 @@ def test_greedy_output_with_a_corpus_equals_plain_decoding(tmp_path):
         assert [o.token_ids for o in outs] == plain
         accepted[on] = sum(o.spec.num_accepted_tokens for o in outs)
     assert accepted[True] > accepted[False]  # the corpus's drafts were proposed, and passed
+
+
+def test_a_frozen_trie_drafts_as_before_and_refuses_changes():
+    import random
+
+    from tandem.drafters.suffix_trie import SuffixTrie
+
+    rng = random.Random(0)
+    streams = [[rng.randrange(6) for _ in range(rng.randrange(5, 40))] for _ in range(30)]
+    live, frozen = SuffixTrie(8), SuffixTrie(8)
+    for s in streams:
+        live.add(s)
+        frozen.add(s)
+    frozen.freeze()
+    for _ in range(200):
+        context = [rng.randrange(6) for _ in range(rng.randrange(1, 10))]
+        cursor, m = live.longest_match(context, 6)
+        cursor2, m2 = frozen.longest_match(context, 6)
+        assert m == m2
+        if cursor is not None:
+            for _ in range(2):  # the second time from what the frozen trie remembered
+                assert frozen.draft(cursor2, 6, 0.05) == live.draft(cursor, 6, 0.05)
+    with pytest.raises(RuntimeError, match="frozen"):
+        frozen.add([1, 2, 3])
+    with pytest.raises(RuntimeError, match="frozen"):
+        frozen.extend(frozen.open(), [1])

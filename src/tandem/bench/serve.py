@@ -39,16 +39,29 @@ POLICY_MODES = ("adaptive", "fixed", "confidence")
 WARMUP_PROMPT = "Say hello."
 
 
+# On/off settings a mode may add after `@`, each the server's --[no-]speculative-NAME flag.
+MODE_OPTIONS = ("corpus", "lookup")
+
+
 def mode_flags(mode: str) -> list[str]:
     """A mode is `off`, or a speculation policy with an optional drafter of its own,
     POLICY[:ALGORITHM] (`adaptive`, `confidence:dspark`, `fixed:dspark`, `adaptive:eagle3`);
-    without one it serves --algorithm. Returns the server flags it adds."""
+    without one it serves --algorithm. `@corpus=0` or `@lookup=0` after it turns that setting off
+    (`adaptive:suffix@corpus=0`). Returns the server flags it adds."""
     if mode == "off":
         return ["--speculative-algorithm", "none"]
-    policy, _, algorithm = mode.partition(":")
+    base, *options = mode.split("@")
+    policy, _, algorithm = base.partition(":")
     if policy not in POLICY_MODES:
-        raise ValueError(f"a mode is off or POLICY[:ALGORITHM] with POLICY in {POLICY_MODES}, got {mode!r}")
-    return ["--speculative-policy", policy] + (["--speculative-algorithm", algorithm] if algorithm else [])
+        raise ValueError(f"a mode is off or POLICY[:ALGORITHM][@OPTION=0|1] with POLICY in {POLICY_MODES}, "
+                         f"got {mode!r}")
+    flags = ["--speculative-policy", policy] + (["--speculative-algorithm", algorithm] if algorithm else [])
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in MODE_OPTIONS or value not in ("0", "1"):
+            raise ValueError(f"bad option {option!r} in mode {mode!r}; use @corpus=0|1 or @lookup=0|1")
+        flags.append(f"--{'' if value == '1' else 'no-'}speculative-{key}")
+    return flags
 
 
 def checked_mode(mode: str) -> str:
@@ -335,8 +348,9 @@ def bench_serve(args) -> dict:
     print_table(report)
     if args.out:
         print(f"wrote {args.out}")
-    if args.plot:
-        plot(report, args.plot)
+    plot_path = Path(args.out).with_suffix(".png") if args.plot is None and args.out else args.plot
+    if plot_path:
+        plot(report, str(plot_path))
     return report
 
 
@@ -375,7 +389,7 @@ def add_serve_bench_parser(kinds) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--reprofile", action="store_true", help="re-measure the adaptive server's cost curve")
     p.add_argument("--out", default="results/serve/bench_serve.json")
-    p.add_argument("--plot", default="results/serve/bench_serve.png")
+    p.add_argument("--plot", default=None, help="the PNG (default: --out with .png; '' for none)")
     p.set_defaults(func=_run)
 
 

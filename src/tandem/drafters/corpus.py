@@ -87,5 +87,6 @@ def corpus_trie(path: str | Path, depth: int, vocab_size: int) -> SuffixTrie:
         trie = SuffixTrie(depth)
         for answer in answers:
             trie.add(answer)
+        trie.freeze()
         _tries[key] = trie
     return trie

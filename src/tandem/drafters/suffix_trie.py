@@ -57,12 +57,25 @@ class SuffixTrie:
         self.root.count = 0
         self.num_nodes = 1
         self.num_tokens = 0
+        # A frozen trie (a corpus: only read once built) remembers each node's most frequent child
+        # and its children's total count the first time a draft passes, instead of rescanning
+        # children that can number thousands near the root.
+        self._followed: dict[_Node, tuple[int, _Node, int]] | None = None
+
+    def freeze(self) -> None:
+        """No more changes: extend, add and remove refuse from now on; drafts get cheaper."""
+        self._followed = {}
+
+    def _check_open(self) -> None:
+        if self._followed is not None:
+            raise RuntimeError("this suffix trie is frozen (a corpus is only read)")
 
     def open(self) -> TrieStream:
         """A new, empty stream to `extend` token by token."""
         return TrieStream()
 
     def extend(self, stream: TrieStream, tokens: list[int]) -> None:
+        self._check_open()
         root, max_depth = self.root, self.max_depth
         for tok in tokens:
             stream.tokens.append(tok)
@@ -98,6 +111,7 @@ class SuffixTrie:
 
     def remove(self, stream: TrieStream) -> None:
         """Take every suffix of `stream` out again, dropping nodes no other suffix uses."""
+        self._check_open()
         toks = stream.tokens
         for start in range(len(toks)):
             self.root.count -= 1
@@ -159,14 +173,25 @@ class SuffixTrie:
             else:
                 if not node.children:
                     break
-                tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-                prob *= child.count / sum(c.count for c in node.children.values())
+                tok, child, total = self._most_frequent(node)
+                prob *= child.count / total
                 if prob < min_prob:
                     break
                 node = child
             tokens.append(tok)
             score += prob
         return tokens, score
+
+    def _most_frequent(self, node: _Node) -> tuple[int, _Node, int]:
+        """(token, child) of the node's most frequent continuation, and its children's total count."""
+        followed = self._followed
+        found = followed.get(node) if followed is not None else None
+        if found is None:
+            tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
+            found = (tok, child, sum(c.count for c in node.children.values()))
+            if followed is not None:
+                followed[node] = found
+        return found
 
     def _walk(self, tokens: list[int], start: int) -> _Cursor | None:
         """Follow tokens[start:] from the root; None if that string is not in the trie."""
