@@ -245,6 +245,20 @@ def test_fused_path_matches_general_path(arch):
     assert (out_f.logits.argmax(-1) == out_g.logits.argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_final_norm_runs_fused_into_the_lm_head(arch):
+    """The fused path's logits: one native call (the norm fused into the head's input), the
+    model's own norm and head up to rounding, and each row the same bits alone or with others."""
+    _, model = block_model(arch)
+    fused = runner_for(model).fused
+    assert fused._head is not None
+    torch.manual_seed(5)
+    h = torch.randn(5, model.cfg.hidden_size)
+    got = fused.logits(h)
+    torch.testing.assert_close(got, model.logits(h), atol=0.05, rtol=0.02)
+    assert all(torch.equal(fused.logits(h[i : i + 1]), got[i : i + 1]) for i in range(5))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3", *WIDE_HEADS])
 def test_block_verification_is_bitwise_plain_decoding(arch, kv_dtype):

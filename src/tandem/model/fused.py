@@ -23,6 +23,7 @@ import torch
 from tandem.model.block_linear import BlockQ4Linear, BlockQ8Linear
 from tandem.model.kernels import (
     GEGLU,
+    RMS_NORM,
     SWIGLU,
     BlockKernels,
     DecoderShape,
@@ -58,6 +59,11 @@ class FusedDecoder:
         # The native layer records point into these: they live as long as the decoder.
         self._parts = [self._layer_parts(layer) for layer in model.layers]
         self._layers = decoder_layers(self._parts)
+        # The final norm fused into the LM head's input, one native call, where the head runs on
+        # the block kernels and no softcap follows it (else the model's own norm and head).
+        head_on_blocks = isinstance(model.lm_head, (BlockQ4Linear, BlockQ8Linear)) and not cfg.final_logit_softcap
+        self._head = model.lm_head.blocks(kernels) if head_on_blocks else None
+        self._final_norm = model.norm.weight.detach().float().contiguous()
 
     def _layer_parts(self, layer) -> LayerParts:
         k, model = self.kernels, self.model
@@ -79,6 +85,15 @@ class FusedDecoder:
             return None
         kernels = block_kernels()
         return cls(model, kernels) if kernels is not None else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] last-layer rows (before the final norm) -> [N, V] float32 logits. Every
+        forward's logits come from here, so plain decoding and verification share them bit for
+        bit."""
+        if self._head is None:
+            return self.model.logits(hidden)
+        return self.kernels.linear(hidden.contiguous(), self._head, transform=RMS_NORM,
+                                   norm_weight=self._final_norm, eps=self.shape.eps)
 
     def forward(self, tokens: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cache,
                 hidden_layers: tuple[int, ...], tree: TreeKeys | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

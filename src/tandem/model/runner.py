@@ -182,7 +182,8 @@ class ModelRunner:
         if not rows:
             return torch.empty(0, self.model.cfg.vocab_size, device=x.device)
         selected = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, dtype=torch.long, device=x.device)]
-        return self.model.logits(selected)
+        # One function for every forward's logits: with the fused decoder, its native norm + head.
+        return (self.fused.logits if self.fused is not None else self.model.logits)(selected)
 
     def _forward_fused(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
         """Chains and trees through the fused kernels (see fused.py), packed into as few native
