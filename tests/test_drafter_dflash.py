@@ -242,6 +242,42 @@ def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_on
     assert looked >= 3 and lookup.global_passed != [PRIOR_CONFIDENCE] * 3
 
 
+def test_the_scheduler_hears_which_drafts_the_lookup_makes_before_drafting(saved):
+    """Under the confidence scheduler the engine asks the drafter, before the policy decides,
+    whether each request's draft would be the lookup's or the head's (DraftSlot.source); the
+    lookup's drafts found then are the ones proposed (the suffix drafter is asked once per
+    request and round), and the output stays plain decoding's."""
+    llm = make_llm("dspark", saved("dspark"), k=3)
+    spec = dataclasses.replace(llm.engine.config.spec, policy="confidence")
+    eng = Engine(llm.loaded, dataclasses.replace(llm.engine.config, spec=spec), cost_curve=CostCurve((1, 64), (1.0, 1.0)))
+    lookup, policy = eng.drafter.lookup, eng.policy
+    asked, rounds, proposed = [], [], []
+    suffix_propose, draft_lengths, propose = lookup.suffix.propose, policy.draft_lengths, eng.drafter.propose
+
+    def counting(inputs):
+        asked.append(len(inputs))
+        return suffix_propose(inputs)
+
+    def deciding(slots):
+        rounds.append(list(slots))
+        return draft_lengths(slots)
+
+    def recording(batch):
+        drafts = propose(batch)
+        proposed.extend(zip([i.request_id for i in batch], drafts))
+        return drafts
+
+    lookup.suffix.propose, policy.draft_lengths, eng.drafter.propose = counting, deciding, recording
+    reqs = [eng.add_request(ids, GREEDY) for ids in COPYING_PROMPTS]
+    while eng.has_work():
+        eng.step()
+    assert [r.output_ids for r in reqs] == [list(o) for o in plain(GREEDY, tuple(map(tuple, COPYING_PROMPTS)))]
+    sources = [s.source for slots in rounds for s in slots if s.limit > 0]
+    assert {"lookup", "head"} <= set(sources)
+    assert sum(asked) == len(sources)  # the round's propose took the drafts its peek found
+    assert any(d.token_ids for _, d in proposed)
+
+
 def test_a_round_the_drafter_missed_restarts_its_caches(saved_dflash):
     llm = make_llm("dflash", saved_dflash, k=3, lookup=False)
     drafter = llm.engine.drafter

@@ -98,7 +98,25 @@ def test_before_drafting_the_best_prefix_is_priced_past_a_dip():
     s.observe_draft_time(0.8, 1)
     s.admit(["a"], [chain(0.7, 0.95, 0.95, 0.95)], batch=1)  # its survivals: 0.7 0.67 0.63 0.6
     assert s.draft_lengths([DraftSlot("a", 4)]) == [4]
-    assert s._admission(1, [s.expected["a"]], 0.8) == ([0], pytest.approx(1.0))  # stopping at the first drop: none
+    assert s._admission(1, [s.expected["a"][""]], [0.8]) == ([0], pytest.approx(1.0))  # stopping at the first drop: none
+
+
+def test_a_lookup_draft_and_a_head_draft_are_priced_apart():
+    """Survivals are kept per source, and a lookup's draft pays no drafting: the head stops
+    drafting where its drafts do not pay for their drafting, the lookup's go on."""
+    curve = CostCurve((1, 5), (1.0, 1.1))
+    s = scheduler(curve, verify_rows=sum)
+    s.observe_draft_time(0.5, 1)  # half a forward per head round
+    for source, draft in (("head", chain(0.2, 0.2, 0.2, 0.2)), ("lookup", chain(0.9, 0.9, 0.9, 0.9))):
+        assert s.draft_lengths([DraftSlot("a", 4, source)]) == [4]  # a first draft of each source is measured
+        s.admit(["a"], [draft], batch=1)
+    assert s.expected["a"]["head"][0] == pytest.approx(0.2) and s.expected["a"]["lookup"][0] == pytest.approx(0.9)
+    assert s.draft_lengths([DraftSlot("a", 4, "head")]) == [0]
+    assert s.draft_lengths([DraftSlot("a", 4, "lookup")]) == [4]
+    # the same lookup survivals, priced as if they cost a head round, would not pay either
+    assert s._admission(1, [s.expected["a"]["lookup"]], [10.0], past_dips=True)[0] == [0]
+    s.release("a")
+    assert "a" not in s.expected and "a" not in s.sources
 
 
 def test_a_retry_happens_only_where_a_draft_that_always_passes_would_pay():
@@ -247,7 +265,7 @@ class LooksPastTheDip(ConfidenceScheduler):
     """Broken on purpose: admits the best prefix of the descending order overall, looking past a
     pair that lowers the throughput to the pairs after it."""
 
-    def _admission(self, batch, survivals, draft_seconds, past_dips=False):
+    def _admission(self, batch, survivals, draft_seconds=None, past_dips=False):
         return super()._admission(batch, survivals, draft_seconds, past_dips=True)
 
 

@@ -127,6 +127,12 @@ class Drafter(ABC):
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
         """One Draft per input, at most `max_draft_tokens` long (empty drafts are allowed)."""
 
+    def draft_sources(self, batch: list[DraftInput]) -> list[str] | None:
+        """Before anything is drafted, which of the drafter's sources each request's draft would
+        come from this round (e.g. "lookup" or "head"), for a policy that prices them apart; None
+        when the drafter has one source. Must read nothing but the context and past rounds."""
+        return None
+
     def observe(self, outcomes: list[DraftOutcome]) -> None:
         """Update drafter state (suffix trees, own KV cache) after verification."""
 

@@ -74,6 +74,13 @@ class DFlashDrafter(HeadDrafter):
         if self.lookup is not None:
             self.lookup.release(request_id)
 
+    def draft_sources(self, batch: list[DraftInput]) -> list[str] | None:
+        """"lookup" where the suffix lookup has a draft this round (it is proposed instead of the
+        head's, and costs no drafting), else "head"; None without the lookup."""
+        if self.lookup is None:
+            return None
+        return ["lookup" if found else "head" for found in self.lookup.peek(batch)]
+
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
         drafts = [Draft.empty() for _ in batch]

@@ -60,6 +60,8 @@ class LookupFirst:
         self.global_passed = [PRIOR_CONFIDENCE] * spec.num_draft_tokens
         self.passed: dict[str, list[float]] = {}  # per request and position: how often its lookup drafts passed
         self.looked: set[str] = set()  # the requests whose latest draft is the lookup's
+        # request -> ((context length, budget), draft) from `peek`, for this round's `propose`
+        self.peeked: dict[str, tuple[tuple[int, int], Draft]] = {}
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
         self.suffix.observe(outcomes)
@@ -75,16 +77,36 @@ class LookupFirst:
                 self.global_passed[j] += GLOBAL_EMA * (outcome - self.global_passed[j])
 
     def release(self, request_id: str) -> None:
+        self.peeked.pop(request_id, None)
         self.pending.pop(request_id, None)
         self.passed.pop(request_id, None)
         self.looked.discard(request_id)
         self.suffix.release(request_id)
 
+    def peek(self, inputs: list[DraftInput]) -> list[bool]:
+        """Per input, whether this round's draft will be the lookup's (before anything is drafted:
+        the lookup's draft is a function of the context alone). The drafts are kept for the
+        round's `propose`."""
+        drafts = self.suffix.propose(inputs)
+        for inp, draft in zip(inputs, drafts):
+            self.peeked[inp.request_id] = ((len(inp.token_ids), inp.max_draft_tokens), draft)
+        return [len(d) >= LOOKUP_MIN_TOKENS for d in drafts]
+
+    def _suffix_drafts(self, inputs: list[DraftInput]) -> list[Draft]:
+        """The suffix drafter's drafts, the ones `peek` made this round where they still apply."""
+        drafts: list[Draft | None] = []
+        for inp in inputs:
+            key, draft = self.peeked.pop(inp.request_id, (None, None))
+            drafts.append(draft if key == (len(inp.token_ids), inp.max_draft_tokens) else None)
+        missing = [inp for inp, d in zip(inputs, drafts) if d is None]
+        fresh = iter(self.suffix.propose(missing) if missing else [])
+        return [d if d is not None else next(fresh) for d in drafts]
+
     def propose(self, inputs: list[DraftInput]) -> list[Draft | None]:
         """Per input, the lookup's draft when it has LOOKUP_MIN_TOKENS tokens or more (its
         hidden rows then wait for the head's next round), else None: the head drafts."""
         out: list[Draft | None] = []
-        for inp, draft in zip(inputs, self.suffix.propose(inputs)):
+        for inp, draft in zip(inputs, self._suffix_drafts(inputs)):
             if len(draft) < LOOKUP_MIN_TOKENS:
                 self.looked.discard(inp.request_id)
                 out.append(None)

@@ -242,7 +242,11 @@ class Engine:
         if self.drafter is None:
             return [Draft.empty() for _ in batch]
         # The policy decides every length before anything is drafted (non-anticipation).
-        budgets = self.policy.draft_lengths([DraftSlot(r.request_id, self._draft_budget(r)) for r in batch])
+        slots = [DraftSlot(r.request_id, self._draft_budget(r)) for r in batch]
+        sources = self._draft_sources(batch, slots) if self.policy.prices_sources else None
+        if sources is not None:
+            slots = [DraftSlot(s.request_id, s.limit, source) for s, source in zip(slots, sources)]
+        budgets = self.policy.draft_lengths(slots)
         inputs, rows = [], []
         for i, (req, k) in enumerate(zip(batch, budgets)):
             if k > 0:
@@ -260,8 +264,27 @@ class Engine:
             drafts[i] = draft
         if inputs and self._steady(inputs):
             units = len(rows) if self.drafter.cost_per_round else sum(drafts[i].depth for i in rows)
-            self.policy.observe_draft_time(time.perf_counter() - t0, units)
+            if sources is not None:  # the lookup's drafts cost no drafting: count the others
+                units = sum(1 for i in rows if sources[i] != "lookup")
+            if units:
+                self.policy.observe_draft_time(time.perf_counter() - t0, units)
         return drafts
+
+    def _draft_sources(self, batch: list[Request], slots: list[DraftSlot]) -> list[str] | None:
+        """Which source each request's draft would come from this round (Drafter.draft_sources),
+        asked before the policy decides; "" for requests that may not draft."""
+        may = [i for i, s in enumerate(slots) if s.limit > 0]
+        if not may:
+            return None
+        peeks = [DraftInput(batch[i].request_id, batch[i].context, len(batch[i].prompt_ids), slots[i].limit,
+                            batch[i].params, batch[i].generator) for i in may]
+        found = self.drafter.draft_sources(peeks)
+        if found is None:
+            return None
+        sources = [""] * len(slots)
+        for i, source in zip(may, found):
+            sources[i] = source
+        return sources
 
     def _steady(self, inputs: list[DraftInput]) -> bool:
         """Whether no drafter input carries more new hidden rows than one round commits. A

@@ -52,6 +52,9 @@ class DraftSlot:
 
     request_id: str
     limit: int
+    # Which of the drafter's sources would draft it this round (Drafter.draft_sources, for a
+    # policy that prices them apart: prices_sources); "" when the drafter has one.
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,10 @@ class LiveCurve:
 
 
 class SpeculationPolicy(ABC):
-    """Chooses draft lengths per round; learns from verification outcomes."""
+    """Chooses draft lengths per round; learns from verification outcomes. prices_sources: it
+    wants each slot's DraftSlot.source (the engine then asks the drafter before drafting)."""
+
+    prices_sources = False
 
     def __init__(self, min_survival: float = 0.0) -> None:
         self.last = Decision(0, (), 1.0)
@@ -312,6 +318,11 @@ class ConfidenceScheduler(PricedPolicy):
     round; when it admits nothing at all, nothing is drafted. A request idle for RETRY_ROUNDS
     rounds is priced as if its draft would all pass, so it drafts again where that would pay
     and its survivals are measured afresh (the text may have turned easier to draft).
+
+    A drafter with two sources (a head behind the suffix lookup) says before drafting which one
+    each request's draft would come from (DraftSlot.source, from the context alone): survivals
+    are then kept per source, and a lookup's draft is priced without drafting cost, so a head
+    whose drafts do not pay stops drafting while the lookup's drafts still go on.
     """
 
     def __init__(self, spec: SpecConfig, curve: CostCurve | None,
@@ -319,28 +330,39 @@ class ConfidenceScheduler(PricedPolicy):
         super().__init__(spec, curve, verify_rows, min_gain, "confidence scheduler")
         if spec.tree:
             raise ValueError("the confidence scheduler verifies chains: use --speculative-eagle-topk 1")
-        self.expected: dict[str, list[float]] = {}  # each drafted request's recent survivals (past rounds only)
-        self.global_expected = [1.0] * self.k_max  # what a new request is assumed to start with
+        # Each drafted request's recent survivals per draft source (past rounds only), and what a
+        # new request is assumed to start with, per source.
+        self.expected: dict[str, dict[str, list[float]]] = {}
+        self.global_expected: dict[str, list[float]] = {}
+        self.sources: dict[str, str] = {}  # this round's source of each request that drafts
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
         self.draft_rounds = 0
         self.fastest_draft = float("inf")  # the fastest round measured, per drafting request
+
+    prices_sources = True
+
+    def _global(self, source: str) -> list[float]:
+        return self.global_expected.setdefault(source, [1.0] * self.k_max)
 
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
         B = len(batch)
         if B == 0:
             return []
-        survivals = []
+        survivals, costs = [], []
         for slot in batch:
             retry = self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS
-            expected = [1.0] * self.k_max if retry else self.expected.get(slot.request_id, self.global_expected)
-            survivals.append(expected[: max(0, slot.limit)])
-        lengths, rate = self._admission(B, survivals, self.draft_seconds_per_unit, past_dips=True)
+            expected = self.expected.get(slot.request_id, {}).get(slot.source) or self._global(slot.source)
+            survivals.append(([1.0] * self.k_max if retry else expected)[: max(0, slot.limit)])
+            # A lookup's draft is a trie walk: it costs no drafting worth pricing.
+            costs.append(0.0 if slot.source == "lookup" else self.draft_seconds_per_unit)
+        lengths, rate = self._admission(B, survivals, costs, past_dips=True)
         if rate <= B / self.curve(B) * (1.0 + self.min_gain):
             lengths = [0] * B
         # A request that may draft drafts its whole block: the drafter's cost is per round.
         ks = [min(slot.limit, self.k_max) if n else 0 for slot, n in zip(batch, lengths)]
         for slot, k in zip(batch, ks):
             self.idle[slot.request_id] = 0 if k else self.idle.get(slot.request_id, 0) + 1
+            self.sources[slot.request_id] = slot.source
         if not any(ks) and self.draft_rounds:  # one slow round measured must not stop drafting for good
             self.draft_seconds_per_unit += RELAX * (self.fastest_draft - self.draft_seconds_per_unit)
         return ks
@@ -351,40 +373,46 @@ class ConfidenceScheduler(PricedPolicy):
             if d.is_tree or d.confidence is None:
                 raise ValueError("the confidence scheduler needs chain drafts with confidences (dspark, dflash)")
             survivals.append(d.survival())
-            # A request's first draft replaces the server-wide guess it started from; later ones average in.
-            weight = REQUEST_EMA if rid in self.expected else 1.0
-            mine = self.expected.setdefault(rid, list(self.global_expected))
+            # A request's first draft from a source replaces the server-wide guess it started
+            # from; later ones average in.
+            source = self.sources.get(rid, "")
+            shared = self._global(source)
+            per_source = self.expected.setdefault(rid, {})
+            weight = REQUEST_EMA if source in per_source else 1.0
+            mine = per_source.setdefault(source, list(shared))
             for j, a in enumerate(survivals[-1]):
                 mine[j] += weight * (a - mine[j])
-                self.global_expected[j] += GLOBAL_EMA * (a - self.global_expected[j])
+                shared[j] += GLOBAL_EMA * (a - shared[j])
         # Running requests without a draft are the rest of the batch: one row, one token each.
-        lengths, predicted = self._admission(batch, survivals, 0.0)
+        lengths, predicted = self._admission(batch, survivals)
         self.last = Decision(batch, tuple(lengths), predicted * self.curve(batch) / batch)
         return [d.truncated(n) for d, n in zip(drafts, lengths)]
 
     def _admission(self, batch: int, survivals: Sequence[Sequence[float]],
-                   draft_seconds: float, past_dips: bool = False) -> tuple[list[int], float]:
+                   draft_seconds: Sequence[float] | None = None, past_dips: bool = False) -> tuple[list[int], float]:
         """Admitted prefix lengths of the first len(survivals) requests of a batch of `batch`
         (the others verify one row and commit one token), and their predicted committed tokens
         per second: pairs in descending survival, stopping at the first drop (past_dips: the
         best prefix of that order instead, for decisions taken before anything is drawn).
-        draft_seconds: the cost of each request that gets at least one pair (0 once drafted)."""
+        draft_seconds: per request, what its drafting costs once it gets a pair (None: drafting
+        is sunk)."""
         order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
                        key=lambda t: (-t[0], t[1], t[2]))
         lengths = [0] * len(survivals)
         rows = [1] * batch  # each request's verified rows: 1 + its admitted length
-        committed, drafting = float(batch), 0
+        committed, drafting = float(batch), 0.0
         best = committed / self.curve(self.verify_rows(rows))
         best_lengths = list(lengths)
         for a, j, r in order:
-            first = lengths[r] == 0  # this request's first pair also pays its drafting
+            # this request's first pair also pays its drafting
+            cost = draft_seconds[r] if draft_seconds is not None and lengths[r] == 0 else 0.0
             rows[r] += 1
-            rate = (committed + a) / (self.curve(self.verify_rows(rows)) + draft_seconds * (drafting + first))
+            rate = (committed + a) / (self.curve(self.verify_rows(rows)) + drafting + cost)
             if rate <= best and not past_dips:
                 break
             lengths[r] += 1
             committed += a
-            drafting += first
+            drafting += cost
             if rate > best:
                 best, best_lengths = rate, list(lengths)
         return best_lengths, best
@@ -403,6 +431,7 @@ class ConfidenceScheduler(PricedPolicy):
     def release(self, request_id: str) -> None:
         self.expected.pop(request_id, None)
         self.idle.pop(request_id, None)
+        self.sources.pop(request_id, None)
 
 
 def create_policy(spec: SpecConfig, curve: CostCurve | None = None, per_round_drafts: bool = False,
