@@ -325,6 +325,8 @@ class ConfidenceScheduler(PricedPolicy):
     whose drafts do not pay stops drafting while the lookup's drafts still go on.
     """
 
+    prices_sources = True
+
     def __init__(self, spec: SpecConfig, curve: CostCurve | None,
                  verify_rows: Callable[[Sequence[int]], int] = padded_rows, min_gain: float = MIN_GAIN) -> None:
         super().__init__(spec, curve, verify_rows, min_gain, "confidence scheduler")
@@ -338,8 +340,6 @@ class ConfidenceScheduler(PricedPolicy):
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
         self.draft_rounds = 0
         self.fastest_draft = float("inf")  # the fastest round measured, per drafting request
-
-    prices_sources = True
 
     def _global(self, source: str) -> list[float]:
         return self.global_expected.setdefault(source, [1.0] * self.k_max)
