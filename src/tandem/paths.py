@@ -12,7 +12,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
 
 
-def shipped_dir() -> Path:
-    """Where the package keeps the drafters it ships: <model>/<method>/ (trained heads, the
-    suffix corpus)."""
-    return Path(__file__).resolve().parent / "drafters" / "shipped"
+SHIPPED_DIR = Path(__file__).resolve().parent / "drafters" / "shipped"
+
+
+def shipped_drafter_dir(model_name: str, method: str, marker: str) -> Path | None:
+    """The directory of what the package ships for a built-in model and drafting method
+    (drafters/shipped/<model>/<method>: a trained head, the suffix corpus), None unless it holds
+    `marker` (the file that says what it is)."""
+    path = SHIPPED_DIR / model_name / method
+    return path if (path / marker).exists() else None

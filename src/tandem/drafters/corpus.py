@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.drafters.suffix_trie import SuffixTrie
-from tandem.paths import shipped_dir
+from tandem.paths import shipped_drafter_dir
 
 FORMAT = "tandem-suffix-corpus"
 VERSION = 1
@@ -35,8 +35,7 @@ DEFAULT_CORPUS_TOKENS = 200_000
 
 def shipped_corpus_dir(model_name: str) -> Path | None:
     """The corpus tandem ships for a built-in model (drafters/shipped/<model>/suffix), or None."""
-    path = shipped_dir() / model_name / "suffix"
-    return path if (path / CONFIG_FILE).exists() else None
+    return shipped_drafter_dir(model_name, "suffix", CONFIG_FILE)
 
 
 def save_corpus(out: str | Path, answers: list[list[int]], target_name: str, vocab_size: int,

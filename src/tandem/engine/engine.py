@@ -263,9 +263,10 @@ class Engine:
         for i, draft in zip(rows, self.policy.admit([inp.request_id for inp in inputs], pruned, len(batch))):
             drafts[i] = draft
         if inputs and self._steady(inputs):
-            units = len(rows) if self.drafter.cost_per_round else sum(drafts[i].depth for i in rows)
             if sources is not None:  # the lookup's drafts cost no drafting: count the others
                 units = sum(1 for i in rows if sources[i] != "lookup")
+            else:
+                units = len(rows) if self.drafter.cost_per_round else sum(drafts[i].depth for i in rows)
             if units:
                 self.policy.observe_draft_time(time.perf_counter() - t0, units)
         return drafts

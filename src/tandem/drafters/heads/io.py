@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
-from tandem.paths import cache_root, shipped_dir
+from tandem.paths import cache_root, shipped_drafter_dir
 
 FORMAT = "tandem-draft-head"
 VERSION = 1
@@ -34,8 +34,7 @@ SIGNATURE_MIN_COSINE = 0.98
 def shipped_head_dir(model_name: str, method: str) -> Path | None:
     """The head tandem ships for a built-in model and method (drafters/shipped/<model>/<method>),
     None when there is none: a trained-head drafter without --speculative-draft-model-path uses it."""
-    path = shipped_dir() / model_name / method
-    return path if (path / CONFIG_FILE).exists() else None
+    return shipped_drafter_dir(model_name, method, CONFIG_FILE)
 
 
 def build_head(method: str, target: TargetParts, **options) -> DraftHead:
