@@ -242,6 +242,25 @@ def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_on
     assert looked >= 3 and lookup.global_passed != [PRIOR_CONFIDENCE] * 3
 
 
+def test_lookup_positions_never_graded_keep_a_confidence_of_one():
+    """A lookup draft's pass rates start at 1 and move only where a position was graded, so a
+    position the scheduler has not yet admitted is still tried rather than kept out by a
+    pessimistic start (docs/serving.md)."""
+    from tandem.config import SpecConfig
+    from tandem.drafters.base import DraftOutcome, TargetInfo
+    from tandem.drafters.lookup import LookupFirst
+
+    lookup = LookupFirst(SpecConfig(algorithm="dspark", num_draft_tokens=4, corpus=False), TargetInfo(100, (1,)),
+                         (1,), confidences=True)
+    lookup.looked.add("r")
+    lookup.observe([DraftOutcome("r", 1, 0, [5])])  # cut to one token by the scheduler, rejected
+    assert lookup.passed["r"][0] < 1.0 and lookup.passed["r"][1:] == [1.0] * 3
+    assert lookup.global_passed[0] < 1.0 and lookup.global_passed[1:] == [1.0] * 3
+    lookup.looked.add("r")
+    lookup.observe([DraftOutcome("r", 3, 1, [5, 6])])  # positions 0 and 1 graded: one passed
+    assert lookup.passed["r"][1] < 1.0 and lookup.passed["r"][2:] == [1.0] * 2
+
+
 def test_the_scheduler_hears_which_drafts_the_lookup_makes_before_drafting(saved):
     """Under the confidence scheduler the engine asks the drafter, before the policy decides,
     whether each request's draft would be the lookup's or the head's (DraftSlot.source); the

@@ -265,8 +265,8 @@ class LooksPastTheDip(ConfidenceScheduler):
     """Broken on purpose: admits the best prefix of the descending order overall, looking past a
     pair that lowers the throughput to the pairs after it."""
 
-    def _admission(self, batch, survivals, draft_seconds=None, past_dips=False):
-        return super()._admission(batch, survivals, draft_seconds, past_dips=True)
+    def _admission(self, batch, survivals, draft_seconds=None, past_dips=False, contexts=None):
+        return super()._admission(batch, survivals, draft_seconds, past_dips=True, contexts=contexts)
 
 
 DIP_CURVE = CostCurve((1, 2, 3), (1.0, 1.6, 1.6))
@@ -299,9 +299,9 @@ def test_audit_fails_an_admission_that_reads_the_q_of_the_drawn_token(saved):
     eng = Engine(llm.loaded, dataclasses.replace(llm.engine.config, spec=spec), cost_curve=CostCurve((1, 256), (1.0, 1.0)))
     admit = eng.policy.admit
 
-    def reads_the_token(ids, drafts, batch):
+    def reads_the_token(ids, drafts, batch, contexts=None):
         out = []
-        for d in admit(ids, drafts, batch):
+        for d in admit(ids, drafts, batch, contexts):
             # verify x_j only while it is q_j's most likely token: a decision on x_j itself
             keep = next((j for j, t in enumerate(d.token_ids) if float(d.probs[j, t]) < float(d.probs[j].max())), len(d))
             out.append(d.truncated(keep))

@@ -3,6 +3,7 @@ saved, and loaded on the next start without measuring again."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,9 @@ import pytest
 import tandem.scheduler.profile as profile_module
 from conftest import tiny_loaded
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.profile import PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for, load_profile, save_profile
+from tandem.model.cost import CONTEXT_FOR_CURVE
+from tandem.scheduler.profile import (CONTEXT_REPEATS, CONTEXT_SIZES, LONG_CONTEXT, PROFILE_ROUNDS, PROFILE_SIZES, cost_curve_for,
+                                      load_profile, save_profile)
 
 
 def test_monotone_takes_the_running_minimum_from_the_right():
@@ -23,7 +26,11 @@ def test_monotone_takes_the_running_minimum_from_the_right():
 
 def test_measures_once_then_loads(tmp_path, monkeypatch):
     _, loaded = tiny_loaded("llama")
-    calls = []
+
+    def fake_prefixes(model, sizes, contexts, repeats):
+        # 1 us per key beyond the curve's prefix, plus 0.5 per key and row
+        long.append((sizes, contexts, repeats))
+        return {c: {n: 0.010 * (1 + n / 8) + (c - CONTEXT_FOR_CURVE) * (1e-6 + 0.5e-6 * n) for n in sizes} for c in contexts}
 
     def fake_curve(model, repeats, sizes):
         # Round r is slowed by another tenant at size 2 (r = 0) or everywhere (r = 1).
@@ -31,18 +38,38 @@ def test_measures_once_then_loads(tmp_path, monkeypatch):
         calls.append(sizes)
         return {n: 0.010 * (1 + n / 8) * (3.0 if r == 1 or (r == 0 and n == 2) else 1.0) for n in sizes}
 
+    calls, long = [], []
     monkeypatch.setattr(profile_module, "forward_cost_curve", fake_curve)
+    monkeypatch.setattr(profile_module, "prefix_costs", fake_prefixes)
+    monkeypatch.setattr(loaded, "config", dataclasses.replace(loaded.config, max_position_embeddings=4096))
     path = tmp_path / "profile.json"
     curve = cost_curve_for(loaded, "cpu", 1, str(path))
     assert len(calls) == PROFILE_ROUNDS and calls[0] == PROFILE_SIZES
+    assert long == [(CONTEXT_SIZES, (CONTEXT_FOR_CURVE, LONG_CONTEXT), CONTEXT_REPEATS)]
     assert curve(2) == pytest.approx(0.010 * 1.25)  # the undisturbed rounds' time
+    assert (curve.context, curve.per_key, curve.per_key_row) == (CONTEXT_FOR_CURVE, pytest.approx(1e-6), pytest.approx(0.5e-6))
     saved = json.loads(path.read_text())
     assert saved["model"] == loaded.name and saved["threads"] == 1 and saved["sizes"] == list(PROFILE_SIZES)
     # The next start loads the file and measures nothing.
-    assert cost_curve_for(loaded, "cpu", 1, str(path)).as_points() == curve.as_points()
-    assert len(calls) == PROFILE_ROUNDS
+    again = cost_curve_for(loaded, "cpu", 1, str(path))
+    assert again == curve
+    assert len(calls) == PROFILE_ROUNDS and len(long) == 1
     cost_curve_for(loaded, "cpu", 1, str(path), remeasure=True)
     assert len(calls) == 2 * PROFILE_ROUNDS
+
+
+def test_a_model_with_few_positions_prices_every_prefix_alike(tmp_path, monkeypatch):
+    _, loaded = tiny_loaded("llama")
+    monkeypatch.setattr(profile_module, "forward_cost_curve", lambda model, repeats, sizes: {n: 0.01 * n for n in sizes})
+
+    def never(*args, **kwargs):
+        raise AssertionError("no position past the curve's prefix to measure at")
+
+    monkeypatch.setattr(profile_module, "prefix_costs", never)
+    monkeypatch.setattr(loaded, "config", dataclasses.replace(loaded.config, max_position_embeddings=CONTEXT_FOR_CURVE + 100))
+    curve = cost_curve_for(loaded, "cpu", 1, str(tmp_path / "profile.json"))
+    assert curve.per_key == curve.per_key_row == 0.0
+    assert curve.context_seconds([5], [2000]) == 0.0
 
 
 def test_a_broken_profile_says_how_to_recover(tmp_path):

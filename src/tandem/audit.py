@@ -201,7 +201,8 @@ class Auditor:
                 # The engine's admission, as the engine applies it (the batch's drafts together):
                 # the audit checks it too.
                 drafts = self.engine.policy.admit([inp.request_id for inp in inputs],
-                                                  [d.pruned(self.k, self.k) for d in drafter.propose(inputs)], size)
+                                                  [d.pruned(self.k, self.k) for d in drafter.propose(inputs)], size,
+                                                  [len(self.ctx)] * size)
                 fwd = self.runner.forward([
                     SeqInput(self.rows[i], [self.ctx[-1], *d.token_ids], logits="all",
                              parents=rooted_parents(d.parents))

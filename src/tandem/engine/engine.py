@@ -186,7 +186,8 @@ class Engine:
         batch = list(self.running)
         if not batch:
             return self._prefill(chunks) if chunks else []
-        drafts = self._propose(batch)
+        contexts = [len(r.context) for r in batch]  # before this round: the keys its rows read
+        drafts = self._propose(batch, contexts)
         verify_start = time.perf_counter()
         out, tokens = self._verify_forward(batch, drafts, chunks)
         updates, outcomes = [], []
@@ -201,7 +202,8 @@ class Engine:
             outcomes.append(DraftOutcome(req.request_id, counted.drafted, counted.accepted, update.new_token_ids))
         # A forward that also prefilled prompt rows (no LM head, other contexts) is not a sample
         # of the verification cost curve.
-        self._learn(outcomes, None if chunks else (tokens, time.perf_counter() - verify_start))
+        seconds = time.perf_counter() - verify_start
+        self._learn(outcomes, None if chunks else (tokens, seconds, [1 + len(d.token_ids) for d in drafts], contexts))
         return updates + self._prefilled(out, chunks, first=len(batch))
 
     def _verify_forward(self, batch: list[Request], drafts: list[Draft], chunks: list[tuple[Request, int, int]]):
@@ -230,22 +232,22 @@ class Engine:
             self.policy.observe(req.request_id, counted.depth, counted.accepted)
         return update, counted
 
-    def _learn(self, outcomes: list[DraftOutcome], cost: tuple[int, float] | None) -> None:
-        """The policy learns the round's verification cost (rows, seconds), the drafter what
-        was committed."""
+    def _learn(self, outcomes: list[DraftOutcome], cost: tuple | None) -> None:
+        """The policy learns the round's verification cost (rows, seconds, each request's rows
+        and context), the drafter what was committed."""
         if self.drafter is not None:
             if cost is not None:
                 self.policy.observe_round(*cost)
             self.drafter.observe(outcomes)
 
-    def _propose(self, batch: list[Request]) -> list[Draft]:
+    def _propose(self, batch: list[Request], contexts: list[int]) -> list[Draft]:
         if self.drafter is None:
             return [Draft.empty() for _ in batch]
         # The policy decides every length before anything is drafted (non-anticipation).
-        slots = [DraftSlot(r.request_id, self._draft_budget(r)) for r in batch]
+        slots = [DraftSlot(r.request_id, self._draft_budget(r), context=c) for r, c in zip(batch, contexts)]
         sources = self._draft_sources(batch, slots) if self.policy.prices_sources else None
         if sources is not None:
-            slots = [DraftSlot(s.request_id, s.limit, source) for s, source in zip(slots, sources)]
+            slots = [dataclasses.replace(s, source=source) for s, source in zip(slots, sources)]
         budgets = self.policy.draft_lengths(slots)
         inputs, rows = [], []
         for i, (req, k) in enumerate(zip(batch, budgets)):
@@ -260,7 +262,11 @@ class Engine:
         proposed = self.drafter.propose(inputs) if inputs else []
         pruned = [d.pruned(inp.max_draft_tokens, self._cache_room(batch[i])) for i, inp, d in zip(rows, inputs, proposed)]
         # What to verify of each draft: the same rules as the lengths, decided for the batch at once.
-        for i, draft in zip(rows, self.policy.admit([inp.request_id for inp in inputs], pruned, len(batch))):
+        drafting = set(rows)
+        others = [c for i, c in enumerate(contexts) if i not in drafting]
+        admitted = self.policy.admit([inp.request_id for inp in inputs], pruned, len(batch),
+                                     [contexts[i] for i in rows] + others)
+        for i, draft in zip(rows, admitted):
             drafts[i] = draft
         if inputs and self._steady(inputs):
             if sources is not None:  # the lookup's drafts cost no drafting: count the others

@@ -34,6 +34,29 @@ def forward_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES, context: int
     return fastest_of(forward, sizes, repeats, clock)
 
 
+def prefix_costs(loaded, sizes, contexts, repeats: int = 5, clock=time.perf_counter) -> dict[int, dict[int, float]]:
+    """{context: {n: fastest seconds}}: forward_cost_curve's measurement at several prefixes at
+    once, one sequence per prefix, every (prefix, size) in turn within each repeat, so a slow spell
+    of the shared CPU hits both prefixes alike rather than one."""
+    cache = KVCache(loaded.config, len(contexts), max(contexts) + max(sizes) + 1, loaded.dtype,
+                    storage=loaded.kv_dtype())
+    runner = ModelRunner(loaded.model, cache)
+    vocab = loaded.config.vocab_size
+    seqs = {}
+    for context in contexts:
+        seqs[context] = cache.allocate()
+        runner.forward([SeqInput(seqs[context], [(100 + i % 1000) % vocab for i in range(context)])])
+
+    def forward(point: tuple[int, int]) -> None:
+        context, n = point
+        runner.forward([SeqInput(seqs[context], [(200 + i) % vocab for i in range(n)], logits="all")],
+                       token_by_token=True)
+        cache.truncate(seqs[context], context)
+
+    best = fastest_of(forward, [(c, n) for c in contexts for n in sizes], repeats, clock)
+    return {c: {n: best[(c, n)] for n in sizes} for c in contexts}
+
+
 def fastest_of(fn, sizes, repeats: int, clock=time.perf_counter) -> dict[int, float]:
     """{n: fastest seconds of fn(n)} over `repeats` rounds that run every size in turn, after
     one warm-up round."""

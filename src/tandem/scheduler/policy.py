@@ -34,10 +34,17 @@ RETRY_ROUNDS = 32
 # Draft only when the predicted throughput beats plain decoding by this margin: the cost curve is
 # measured on a shared CPU, and being a little too cautious costs less than being slower.
 MIN_GAIN = 0.03
-# Rounds of one size before its measured time replaces the (scaled) profile, and the weight of
-# the newest round in that size's moving average.
+# Rounds of one size before its measured shape replaces the interpolated one (LiveCurve), the
+# weight of the newest round in a size's shape, and in the level every round moves.
 MIN_MEASURED = 5
-MEASURED_EMA = 0.1
+SHAPE_EMA = 0.05
+LEVEL_EMA = 0.5
+
+
+def slot_contexts(batch: Sequence["DraftSlot"]) -> list[int] | None:
+    """The slots' contexts, or None (the profile's prefix) unless every slot has one."""
+    contexts = [slot.context for slot in batch]
+    return None if any(c is None for c in contexts) else contexts
 
 
 def padded_rows(lengths: Sequence[int]) -> int:
@@ -55,6 +62,9 @@ class DraftSlot:
     # Which of the drafter's sources would draft it this round (Drafter.draft_sources, for a
     # policy that prices them apart: prices_sources); "" when the drafter has one.
     source: str = ""
+    # Tokens before this round's (the keys its verified rows read; CostCurve.context_seconds);
+    # None: priced at the profile's prefix.
+    context: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,50 +77,67 @@ class Decision:
 
 
 class LiveCurve:
-    """The profiled cost curve corrected by what rounds really cost in this process.
+    """The profiled cost curve corrected by what rounds really cost in this process: the profile
+    times a level times a shape.
 
-    A size measured MIN_MEASURED times uses its moving average. Any other size uses the profile
-    times the measured/profiled ratio, interpolated linearly between the nearest measured sizes
-    (constant beyond them): a machine that got uniformly slower keeps the profile's shape, and a
-    shape the profile got wrong is corrected around the sizes the server actually runs.
-    Worked example: profile 10 ms flat, measured 10 ms at n=1 and 70 ms at n=7 (ratios 1 and 7)
-    -> n=4 costs 10 ms * 4 = 40 ms.
+    - level: how much slower (or faster) than the profile the machine runs now, a fast moving
+      average over every round whatever its size. Other tenants of a shared CPU come and go, and
+      their load slows every size alike.
+    - shape[n]: how far size n is from the profile once the level is taken out, a slow moving
+      average per size. A size measured fewer than MIN_MEASURED times takes the shape
+      interpolated linearly between the nearest measured sizes (constant beyond them), 1 before
+      any.
+
+    So a busy spell moves the level, not the shape: a size last measured during one is not
+    priced high for good after the load has gone (per-size averages alone did that, and the
+    policies then stopped drafting for whole requests). A shape the profile got wrong is still
+    learnt around the sizes the server runs. Worked example: profile 10 ms flat, rounds taking
+    10 ms at n=1 and 70 ms at n=7 -> shapes 1 : 7, and n=4 costs 4x n=1.
+
+    Times are kept at the profile's prefix: what a round's longer (or shorter) prefixes added is
+    taken off as it is observed, and the policy adds its own batch's (PricedPolicy.seconds).
     """
 
     def __init__(self, profile: CostCurve) -> None:
         self.profile = profile
-        self.average: dict[int, float] = {}
+        self.level = 1.0
+        self.shape: dict[int, float] = {}
         self.count: dict[int, int] = {}
         self._trusted: list[int] = []  # sorted sizes with >= MIN_MEASURED rounds
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, context_seconds: float = 0.0) -> None:
+        """A round over `tokens` rows took `seconds`, of which `context_seconds` came from its
+        prefixes being longer than the profile's (CostCurve.context_seconds): the rest is kept,
+        at least half the profile's time for the size (a prefix priced too high must not drive
+        a size's time to nothing)."""
         if tokens < 1 or not seconds > 0:
             return
+        seconds = max(seconds - context_seconds, 0.5 * self.profile(tokens))
+        ratio = seconds / self.profile(tokens)
+        mine = self.shape.get(tokens) or self._shape(tokens)
+        self.level += LEVEL_EMA * (ratio / mine - self.level)
         n = self.count.get(tokens, 0)
-        avg = self.average.get(tokens, seconds)
-        # Plain mean while few rounds are in, then a moving average that follows drift.
-        weight = max(MEASURED_EMA, 1.0 / (n + 1))
-        self.average[tokens] = avg + weight * (seconds - avg)
+        # The first round sets the size's shape; later ones move it slowly (the level moves fast).
+        weight = SHAPE_EMA if n else 1.0
+        self.shape[tokens] = mine + weight * (ratio / self.level - mine)
         self.count[tokens] = n + 1
         if n + 1 == MIN_MEASURED:
             bisect.insort(self._trusted, tokens)
 
-    def _ratio(self, tokens: int) -> float:
+    def _shape(self, tokens: int) -> float:
+        if self.count.get(tokens, 0) >= MIN_MEASURED:
+            return self.shape[tokens]
         t = self._trusted
         if not t:
             return 1.0
         i = bisect.bisect_left(t, tokens)
         lo, hi = t[max(0, i - 1)], t[min(i, len(t) - 1)]
-        r_lo = self.average[lo] / self.profile(lo)
-        r_hi = self.average[hi] / self.profile(hi)
         if lo == hi:  # below the smallest or above the largest measured size
-            return r_lo
-        return r_lo + (r_hi - r_lo) * (tokens - lo) / (hi - lo)
+            return self.shape[lo]
+        return self.shape[lo] + (self.shape[hi] - self.shape[lo]) * (tokens - lo) / (hi - lo)
 
     def __call__(self, tokens: int) -> float:
-        if self.count.get(tokens, 0) >= MIN_MEASURED:
-            return self.average[tokens]
-        return self.profile(tokens) * self._ratio(tokens)
+        return self.profile(tokens) * self.level * self._shape(tokens)
 
 
 class SpeculationPolicy(ABC):
@@ -140,9 +167,11 @@ class SpeculationPolicy(ABC):
             return draft
         return draft.truncated(sum(1 for a in draft.survival() if a >= self.min_survival))
 
-    def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int) -> list[Draft]:
+    def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int,
+              contexts: Sequence[int] | None = None) -> list[Draft]:
         """The part of this round's drafts to verify, for all drafting requests together (`batch`:
-        every running request, drafting or not). The same rules as `cut` bind it; the default
+        every running request, drafting or not; `contexts`: their tokens before this round, the
+        drafting ones first, as DraftSlot.context). The same rules as `cut` bind it; the default
         cuts each draft on its own."""
         return [self.cut(r, d) for r, d in zip(request_ids, drafts)]
 
@@ -153,9 +182,11 @@ class SpeculationPolicy(ABC):
         """The drafter spent `seconds` proposing `tokens` tokens (trees: depth levels; a drafter
         whose cost is per round: one per draft) for the batch."""
 
-    def observe_round(self, tokens: int, seconds: float) -> None:
+    def observe_round(self, tokens: int, seconds: float, lengths: Sequence[int] | None = None,
+                      contexts: Sequence[int] | None = None) -> None:
         """A verification round over `tokens` rows (those the runner computed) took `seconds`,
-        drafting excluded."""
+        drafting excluded; `lengths` and `contexts`: each request's rows and tokens before the
+        round, for pricing its prefixes (CostCurve.context_seconds)."""
 
     def release(self, request_id: str) -> None:
         """The request finished: drop what the policy kept about it."""
@@ -193,8 +224,17 @@ class PricedPolicy(SpeculationPolicy):
         self.min_gain = min_gain
         self.draft_seconds_per_unit = 0.0
 
-    def observe_round(self, tokens: int, seconds: float) -> None:
-        self.curve.observe(tokens, seconds)
+    def observe_round(self, tokens: int, seconds: float, lengths: Sequence[int] | None = None,
+                      contexts: Sequence[int] | None = None) -> None:
+        self.curve.observe(tokens, seconds, self.curve.profile.context_seconds(lengths or [], contexts))
+
+    def seconds(self, lengths: Sequence[int], contexts: Sequence[int] | None) -> float:
+        """Predicted seconds of a verification forward in which request i verifies lengths[i]
+        rows over a prefix of contexts[i] tokens (None: the profile's prefix): the curve at the
+        rows the runner computes, plus what those prefixes add (at least half the curve's time,
+        as LiveCurve keeps it)."""
+        at_profile = self.curve(self.verify_rows(lengths))
+        return max(at_profile + self.curve.profile.context_seconds(lengths, contexts), 0.5 * at_profile)
 
 
 class AdaptivePolicy(PricedPolicy):
@@ -202,8 +242,8 @@ class AdaptivePolicy(PricedPolicy):
 
     Request r with conditional acceptance a_r[i] (moving average of its own past rounds) commits
     tau_r(k) = 1 + sum_{j<k} prod_{i<=j} a_r[i] tokens per forward with k drafts. With a common cap K
-    each request verifies min(K, ...) + 1 tokens, and the forward costs curve(rows) plus the
-    drafter's time, where rows = verify_rows(those lengths) is what the runner really computes
+    each request verifies min(K, ...) + 1 tokens, and the forward costs curve(rows) plus what
+    the requests' prefixes add (PricedPolicy.seconds) plus the drafter's time, where rows = verify_rows(those lengths) is what the runner really computes
     (ModelRunner.verify_rows: their sum on the fused path, B x the longest on the padded one);
     `curve` is the profile corrected by measured rounds (LiveCurve). Trees (eagle_topk > 1): K
     is the depth, a_r[i] the acceptance at depth i, and each drafting request is costed at its
@@ -243,7 +283,8 @@ class AdaptivePolicy(PricedPolicy):
         B = len(batch)
         if B == 0:
             return []
-        plain_seconds = self.curve(B)
+        contexts = slot_contexts(batch)
+        plain_seconds = self.seconds([1] * B, contexts)
         survival = []  # survival[r][j] = P(draft tokens 0..j of request r all pass)
         for slot in batch:
             reach, s = 1.0, []
@@ -264,7 +305,7 @@ class AdaptivePolicy(PricedPolicy):
             lengths = [(self.tree_tokens or k + 1) if k else 1 for k in ks]
             committed = B + sum(sum(s[:k]) for s, k in zip(survival, ks))
             units = sum(k > 0 for k in ks) if self.per_round_drafts else sum(ks)
-            seconds = self.curve(self.verify_rows(lengths)) + self.draft_seconds_per_unit * units
+            seconds = self.seconds(lengths, contexts) + self.draft_seconds_per_unit * units
             rate = committed / seconds
             if rate > best_rate and rate > plain_rate * (1.0 + self.min_gain):
                 best_ks, best_rate = ks, rate
@@ -300,8 +341,9 @@ class ConfidenceScheduler(PricedPolicy):
     descending a (ties: smaller j first, so every request's admitted pairs form a prefix) and
     keeps adding them while the predicted throughput, (B + sum of admitted a) / curve(rows),
     rises; it stops at the first pair that would lower it. `curve` is the profile corrected by
-    measured rounds and rows = verify_rows(1 + each request's admitted length): the rows the
-    runner really computes. Drafting is sunk by then, so only verification is priced.
+    measured rounds, plus what the requests' prefixes add (PricedPolicy.seconds), and rows =
+    verify_rows(1 + each request's admitted length): the rows the runner really computes.
+    Drafting is sunk by then, so only verification is priced.
 
     Stopping at the first drop is what keeps it lossless: whether (r, j) is admitted depends only
     on the pairs ranked before it, and (r, j+1), whose survival reads x_{r,j}, never ranks before
@@ -355,8 +397,9 @@ class ConfidenceScheduler(PricedPolicy):
             survivals.append(([1.0] * self.k_max if retry else expected)[: max(0, slot.limit)])
             # A lookup's draft is a trie walk: it costs no drafting worth pricing.
             costs.append(0.0 if slot.source == "lookup" else self.draft_seconds_per_unit)
-        lengths, rate = self._admission(B, survivals, costs, past_dips=True)
-        if rate <= B / self.curve(B) * (1.0 + self.min_gain):
+        contexts = slot_contexts(batch)
+        lengths, rate = self._admission(B, survivals, costs, past_dips=True, contexts=contexts)
+        if rate <= B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain):
             lengths = [0] * B
         # A request that may draft drafts its whole block: the drafter's cost is per round.
         ks = [min(slot.limit, self.k_max) if n else 0 for slot, n in zip(batch, lengths)]
@@ -367,7 +410,8 @@ class ConfidenceScheduler(PricedPolicy):
             self.draft_seconds_per_unit += RELAX * (self.fastest_draft - self.draft_seconds_per_unit)
         return ks
 
-    def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int) -> list[Draft]:
+    def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int,
+              contexts: Sequence[int] | None = None) -> list[Draft]:
         survivals = []
         for rid, d in zip(request_ids, drafts):
             if d.is_tree or d.confidence is None:
@@ -384,16 +428,17 @@ class ConfidenceScheduler(PricedPolicy):
                 mine[j] += weight * (a - mine[j])
                 shared[j] += GLOBAL_EMA * (a - shared[j])
         # Running requests without a draft are the rest of the batch: one row, one token each.
-        lengths, predicted = self._admission(batch, survivals)
-        self.last = Decision(batch, tuple(lengths), predicted * self.curve(batch) / batch)
+        lengths, predicted = self._admission(batch, survivals, contexts=contexts)
+        self.last = Decision(batch, tuple(lengths), predicted * self.seconds([1] * batch, contexts) / batch)
         return [d.truncated(n) for d, n in zip(drafts, lengths)]
 
-    def _admission(self, batch: int, survivals: Sequence[Sequence[float]],
-                   draft_seconds: Sequence[float] | None = None, past_dips: bool = False) -> tuple[list[int], float]:
+    def _admission(self, batch: int, survivals: Sequence[Sequence[float]], draft_seconds: Sequence[float] | None = None,
+                   past_dips: bool = False, contexts: Sequence[int] | None = None) -> tuple[list[int], float]:
         """Admitted prefix lengths of the first len(survivals) requests of a batch of `batch`
-        (the others verify one row and commit one token), and their predicted committed tokens
-        per second: pairs in descending survival, stopping at the first drop (past_dips: the
-        best prefix of that order instead, for decisions taken before anything is drawn).
+        (the others verify one row and commit one token; `contexts`: every request's tokens
+        before the round, in that order, or None), and their predicted committed tokens per
+        second: pairs in descending survival, stopping at the first drop (past_dips: the best
+        prefix of that order instead, for decisions taken before anything is drawn).
         draft_seconds: per request, what its drafting costs once it gets a pair (None: drafting
         is sunk)."""
         order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
@@ -401,13 +446,13 @@ class ConfidenceScheduler(PricedPolicy):
         lengths = [0] * len(survivals)
         rows = [1] * batch  # each request's verified rows: 1 + its admitted length
         committed, drafting = float(batch), 0.0
-        best = committed / self.curve(self.verify_rows(rows))
+        best = committed / self.seconds(rows, contexts)
         best_lengths = list(lengths)
         for a, j, r in order:
             # this request's first pair also pays its drafting
             cost = draft_seconds[r] if draft_seconds is not None and lengths[r] == 0 else 0.0
             rows[r] += 1
-            rate = (committed + a) / (self.curve(self.verify_rows(rows)) + drafting + cost)
+            rate = (committed + a) / (self.seconds(rows, contexts) + drafting + cost)
             if rate <= best and not past_dips:
                 break
             lengths[r] += 1

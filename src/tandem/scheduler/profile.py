@@ -1,12 +1,14 @@
 """The target's forward cost curve for the adaptive speculation policy: measured once, then loaded.
 
-Profiles are JSON files ({"sizes": [...], "seconds": [...]} plus what they were measured on),
-cached under the tandem cache dir keyed by model, quantization, dtype, device and threads, so a
-restart does not pay the measurement again.
+Profiles are JSON files ({"sizes": [...], "seconds": [...]} at a "context"-token prefix, what
+each key a row reads adds, "per_key" and "per_key_row", plus what they were measured on), cached
+under the tandem cache dir keyed by model, quantization, dtype, device and threads, so a restart
+does not pay the measurement again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -17,11 +19,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tandem.model.cost import forward_cost_curve
+from tandem.model.cost import CONTEXT_FOR_CURVE, forward_cost_curve, prefix_costs
 from tandem.model.kernels import block_kernels, cpu_name, kernel_description
 from tandem.model.loader import LoadedModel
 from tandem.paths import cache_root
-from tandem.scheduler.cost_model import CostCurve
+from tandem.scheduler.cost_model import CostCurve, fit_context_costs
 
 log = logging.getLogger("tandem.server")
 
@@ -29,6 +31,15 @@ log = logging.getLogger("tandem.server")
 # (draft length + 1) past 96 is extrapolated linearly, which is how a compute-bound forward grows.
 PROFILE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96)
 PROFILE_ROUNDS = 5
+# Sizes also measured at a LONG_CONTEXT-token prefix, to price the keys attention reads; a model
+# whose positions stop short of MIN_EXTRA_KEYS past the curve's prefix prices every prefix alike.
+# The difference is a fraction of a forward, so each pair is the fastest of more repeats.
+CONTEXT_SIZES = (1, 2, 4, 8)
+LONG_CONTEXT = 1000
+CONTEXT_REPEATS = 15
+# Profiles measured before the prefix was priced are measured anew.
+PROFILE_FORMAT = "context-priced"
+MIN_EXTRA_KEYS = 256
 
 
 def profile_key(loaded: LoadedModel, device: str, threads: int) -> str:
@@ -42,7 +53,7 @@ def profile_key(loaded: LoadedModel, device: str, threads: int) -> str:
     running = block_kernels() if loaded.kernels == "block" else None
     build = running.build_key if running is not None else ""  # new kernel code measures anew
     machine = cpu_name() if device == "cpu" else device
-    digest = hashlib.sha1("|".join((loaded.name, kernels, build, machine)).encode()).hexdigest()[:8]
+    digest = hashlib.sha1("|".join((loaded.name, kernels, build, machine, PROFILE_FORMAT)).encode()).hexdigest()[:8]
     variant = re.sub(r"[^A-Za-z0-9_.-]+", "_", kernels)
     return f"{name}-{digest}-{loaded.quantization}-{dtype}-kv_{kv}-{variant}-{device}-t{threads}"
 
@@ -54,7 +65,9 @@ def default_profile_path(loaded: LoadedModel, device: str, threads: int) -> Path
 def load_profile(path: str | Path) -> CostCurve:
     try:
         data = json.loads(Path(path).read_text())
-        return CostCurve(tuple(int(n) for n in data["sizes"]), tuple(float(s) for s in data["seconds"]))
+        return CostCurve(tuple(int(n) for n in data["sizes"]), tuple(float(s) for s in data["seconds"]),
+                         int(data.get("context", 0)), float(data.get("per_key", 0.0)),
+                         float(data.get("per_key_row", 0.0)))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(
             f"cannot read the cost profile {path}: {err}; delete it or pass --reprofile to measure again"
@@ -67,7 +80,9 @@ def save_profile(curve: CostCurve, path: str | Path, meta: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**meta, "sizes": list(curve.sizes), "seconds": list(curve.seconds)}, indent=1))
+    tmp.write_text(json.dumps({**meta, "sizes": list(curve.sizes), "seconds": list(curve.seconds),
+                               "context": curve.context, "per_key": curve.per_key,
+                               "per_key_row": curve.per_key_row}, indent=1))
     os.replace(tmp, path)
 
 
@@ -87,6 +102,13 @@ def cost_curve_for(
         for n, seconds in forward_cost_curve(loaded, repeats=1, sizes=PROFILE_SIZES).items():
             points[n] = min(seconds, points.get(n, seconds))
     curve = CostCurve.from_points(points).monotone()
+    # The same sizes at a longer prefix: what each key a row reads adds (CostCurve.context_seconds).
+    long_context = min(LONG_CONTEXT, loaded.config.max_position_embeddings - max(CONTEXT_SIZES) - 1)
+    if long_context >= CONTEXT_FOR_CURVE + MIN_EXTRA_KEYS:
+        both = prefix_costs(loaded, CONTEXT_SIZES, (CONTEXT_FOR_CURVE, long_context), repeats=CONTEXT_REPEATS)
+        per_key, per_key_row = fit_context_costs(both[CONTEXT_FOR_CURVE], both[long_context],
+                                                 long_context - CONTEXT_FOR_CURVE)
+        curve = dataclasses.replace(curve, context=CONTEXT_FOR_CURVE, per_key=per_key, per_key_row=per_key_row)
     log.info("forward cost curve saved to %s", target)
     save_profile(curve, target, {"model": loaded.name, "quantization": loaded.quantization,
                                  "dtype": str(loaded.dtype), "device": device, "threads": threads,
