@@ -203,10 +203,10 @@ def test_lookup_rounds_leave_their_rows_waiting_and_the_block_catches_up(saved_d
 
 
 def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_ones_passed(saved):
-    """The scheduler prices every draft by its confidences: a lookup draft's are the request's
-    per-position pass rates of its earlier lookup drafts (from the server-wide ones), and the
+    """The scheduler prices every draft by its confidences: a lookup draft's are the pass rates
+    of earlier lookup drafts on the same evidence, corrected by the request's offset, and the
     output stays plain decoding's."""
-    from tandem.drafters.lookup import PRIOR_CONFIDENCE
+    from tandem.drafters.calibration import shifted
 
     llm = make_llm("dspark", saved("dspark"), k=3)
     assert not llm.engine.drafter.lookup.confidences  # other policies do not read them
@@ -219,8 +219,12 @@ def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_on
     def recording_lookup(inputs):
         drafts = suffix_propose(inputs)
         for inp, d in zip(inputs, drafts):
-            rates = lookup.passed.get(inp.request_id, lookup.global_passed)
-            expected[inp.request_id, len(inp.token_ids)] = (d.token_ids, list(rates[: len(d)]))
+            if d.token_ids:
+                conf = lookup.confidence
+                offset = conf.calibration.offset.get(inp.request_id, conf.calibration.global_offset)
+                evidence = lookup.suffix.evidence[inp.request_id]
+                rates = [shifted(conf.rate(evidence, j), offset) for j in range(len(d))]
+                expected[inp.request_id, len(inp.token_ids)] = (d.token_ids, rates)
         return drafts
 
     def recording(batch):
@@ -235,30 +239,41 @@ def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_on
     assert [r.output_ids for r in reqs] == [list(o) for o in plain(GREEDY, tuple(map(tuple, COPYING_PROMPTS)))]
     looked = 0
     for rid, n, draft in proposed:
-        tokens, rates = expected[rid, n]
-        if tokens:
+        if (rid, n) in expected:
+            tokens, rates = expected[rid, n]
             assert draft.token_ids == tokens and draft.confidence == rates
             looked += 1
-    assert looked >= 3 and lookup.global_passed != [PRIOR_CONFIDENCE] * 3
+    assert looked >= 3 and lookup.confidence.grades  # the lookup's drafts were graded
 
 
-def test_lookup_positions_never_graded_keep_a_confidence_of_one():
-    """A lookup draft's pass rates start at 1 and move only where a position was graded, so a
-    position the scheduler has not yet admitted is still tried rather than kept out by a
-    pessimistic start (docs/serving.md)."""
-    from tandem.config import SpecConfig
-    from tandem.drafters.base import DraftOutcome, TargetInfo
-    from tandem.drafters.lookup import LookupFirst
+def test_lookup_pass_rates_are_kept_by_evidence_and_start_at_one():
+    """A lookup draft's pass rates are kept apart by evidence (own text or not, match-length
+    class), start at 1 and move only where a position was graded, so a position the scheduler
+    has not yet admitted is still tried rather than kept out by a pessimistic start; one request
+    that drafts badly is corrected on its own (docs/serving.md)."""
+    from tandem.drafters.lookup import LookupConfidence
+    from tandem.drafters.suffix import CORPUS_TRIE, OWN_TRIE
 
-    lookup = LookupFirst(SpecConfig(algorithm="dspark", num_draft_tokens=4, corpus=False), TargetInfo(100, (1,)),
-                         (1,), confidences=True)
-    lookup.looked.add("r")
-    lookup.observe([DraftOutcome("r", 1, 0, [5])])  # cut to one token by the scheduler, rejected
-    assert lookup.passed["r"][0] < 1.0 and lookup.passed["r"][1:] == [1.0] * 3
-    assert lookup.global_passed[0] < 1.0 and lookup.global_passed[1:] == [1.0] * 3
-    lookup.looked.add("r")
-    lookup.observe([DraftOutcome("r", 3, 1, [5, 6])])  # positions 0 and 1 graded: one passed
-    assert lookup.passed["r"][1] < 1.0 and lookup.passed["r"][2:] == [1.0] * 2
+    conf = LookupConfidence()
+    long_own, short_corpus = (OWN_TRIE, 12), (CORPUS_TRIE, 1)
+    assert conf.confidences("r", short_corpus, 4) == [1.0] * 4
+    conf.observe("r", 1, 0)  # cut to one token by the scheduler, rejected
+    assert conf.rate(short_corpus, 0) == 0.5 and [conf.rate(short_corpus, j) for j in (1, 2, 3)] == [1.0] * 3
+    assert conf.rate(long_own, 0) == 1.0  # other evidence: untouched
+    assert conf.confidences("s", short_corpus, 2)[0] < 1.0  # a new request starts from the shared rates
+    conf.observe("s", 2, 1)  # positions 0 and 1 graded: the first passed
+    assert conf.rate(short_corpus, 0) == pytest.approx(2 / 3) and conf.rate(short_corpus, 1) == 0.5
+    conf.observe("s", 2, 2)  # nothing drafted since: nothing to grade
+    assert conf.rate(short_corpus, 0) == pytest.approx(2 / 3)
+    # a request whose drafts keep failing reports lower confidences than the shared rates
+    for _ in range(4):
+        conf.confidences("bad", short_corpus, 2)
+        conf.observe("bad", 2, 0)
+    assert conf.confidences("bad", short_corpus, 2)[0] < conf.rate(short_corpus, 0)
+    conf.not_drafted("bad")
+    conf.observe("bad", 2, 2)  # the head's draft: not the lookup's to learn from
+    conf.release("bad")
+    assert "bad" not in conf.drafted
 
 
 def test_the_scheduler_hears_which_drafts_the_lookup_makes_before_drafting(saved):

@@ -186,6 +186,24 @@ def test_prefixes_are_priced_and_taken_off_what_is_learnt():
     assert long[0] < short[0]
 
 
+def test_one_slow_draft_measurement_does_not_stop_drafting_for_good():
+    """Drafting time is measured only when something is drafted: a round in which the shared CPU
+    was taken away mid-draft prices drafting too high to draft, and the estimate then relaxes
+    toward the fastest drafting measured until drafting pays again."""
+    p = adaptive(CPU, k=4)
+    teach(p, "r", (2, 4))
+    p.observe_draft_time(0.0004, 4)
+    assert p.draft_lengths([DraftSlot("r", 4)])[0] > 0
+    for _ in range(10):
+        p.observe_draft_time(0.4, 4)  # 100x the drafting measured before
+    assert p.draft_lengths([DraftSlot("r", 4)]) == [0]
+    rounds = 1
+    while p.draft_lengths([DraftSlot("r", 4)]) == [0]:
+        rounds += 1
+        assert rounds < 300
+    assert rounds > 10  # not at once: a drafter that really got slower stays off for a while
+
+
 def test_uniform_slowdown_keeps_the_decisions():
     p, q = adaptive(CPU, k=6, prior=0.7), adaptive(CPU, k=6, prior=0.7)
     for _ in range(5):

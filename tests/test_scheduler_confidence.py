@@ -77,7 +77,7 @@ def test_the_rows_priced_are_the_rows_the_runner_computes():
     padded = scheduler(curve, verify_rows=padded_rows).admit(list("abcd"), drafts, batch=4)
     flat = scheduler(curve, verify_rows=sum).admit(list("abcd"), drafts, batch=4)
     assert [len(d) for d in padded] != [len(d) for d in flat]
-    eng = Engine(sharp_target(), EngineConfig(max_model_len=64, spec=SpecConfig("ngram", 3, policy="confidence")),
+    eng = Engine(sharp_target(), EngineConfig(max_model_len=64, spec=SpecConfig("test_sched_markov", 3, policy="confidence")),
                  cost_curve=curve)
     assert eng.policy.verify_rows == eng.runner.verify_rows
     lengths = [4, 1, 2]
@@ -88,6 +88,11 @@ def test_the_rows_priced_are_the_rows_the_runner_computes():
 def test_drafts_without_confidences_are_refused():
     with pytest.raises(ValueError, match="confidences"):
         scheduler(CostCurve((1,), (1.0,))).admit(["a"], [Draft([1, 2])], batch=1)
+    # a drafter that reports none is refused when the engine is built, not at its first request
+    for algorithm in ("ngram", "suffix"):
+        with pytest.raises(ValueError, match="reports none"):
+            Engine(sharp_target(), EngineConfig(max_model_len=64, spec=SpecConfig(algorithm, 3, policy="confidence")),
+                   cost_curve=CostCurve((1,), (1.0,)))
 
 
 def test_before_drafting_the_best_prefix_is_priced_past_a_dip():
@@ -235,6 +240,8 @@ class NextConfidenceDrafter(Drafter):
     """Samples x_1 from the target's own p_1 (so q = p: every verified x_1 is accepted) with
     confidence 0.5, then x_2 from p_2; c_2 is high exactly when x_1 is p_1's top token. A
     scheduler whose decision on x_1 reads c_2 verifies x_1 only when it is the top token."""
+
+    reports_confidences = True
 
     def propose(self, batch):
         out = []

@@ -94,6 +94,7 @@ class Drafter(ABC):
     proposes a whole block in one forward), not an amount per drafted token (autoregressive
     heads, draft models). The policy prices a round's drafts accordingly.
     Drafts may carry per-token confidences (Draft.confidence) for the policy's cut.
+    reports_confidences: every chain draft carries them, so the confidence scheduler can run it.
     serving_policy: the speculation policy `tandem serve` runs this drafter under when none is
     given (None: the server's default, adaptive).
     """
@@ -101,6 +102,7 @@ class Drafter(ABC):
     needs: DrafterNeeds = DrafterNeeds()
     drafts_trees: bool = False
     cost_per_round: bool = False
+    reports_confidences: bool = False
     serving_policy: str | None = None
 
     def __init__(self, spec: SpecConfig, target: TargetInfo) -> None:

@@ -21,7 +21,8 @@ earlier drafts fared.
 With --speculative-lookup (the default) a round first asks the suffix lookup (drafters/lookup.py)
 and the head drafts only when the lookup has fewer than LOOKUP_MIN_TOKENS tokens; the rows of the
 rounds it sat out wait and are caught up on in one go. Under the confidence scheduler the
-lookup's drafts carry confidences of their own: how often its earlier drafts passed.
+lookup's drafts carry confidences of their own: how often earlier lookup drafts on the same
+evidence passed, corrected for the request (LookupConfidence).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tandem.types import Draft
 @register("dflash")
 class DFlashDrafter(HeadDrafter):
     cost_per_round = True
+    reports_confidences = True
     # The block's anchor output is a draft too (DSpark): a block of S inputs drafts S tokens, not S - 1.
     anchor_drafts = False
 

@@ -12,20 +12,22 @@ The lookup's drafts are deterministic (no q), so the verifier grades them with t
 under sampling too; which source drafts a round depends only on the context.
 
 For the confidence scheduler, which prices every draft by its confidences, the lookup's drafts
-carry confidences too (`confidences=True`): position j's is how often the request's earlier
-lookup drafts passed at j when every token before it had (a moving average, started from the
-server-wide one), a function of past rounds only.
+carry confidences too (`confidences=True`, LookupConfidence): position j's is how often position j
+of earlier lookup drafts with the same evidence passed when every token before it had, corrected
+for the request; a function of the context and past rounds only.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import torch
 
 from tandem.config import SpecConfig
 from tandem.drafters.base import DraftInput, DraftOutcome, TargetInfo
-from tandem.drafters.suffix import SuffixDrafter
+from tandem.drafters.calibration import OnlineCalibration
+from tandem.drafters.suffix import OWN_TRIE, SuffixDrafter
 from tandem.types import Draft
 
 # A head takes the suffix lookup's draft instead of drafting when the lookup has at least this
@@ -38,16 +40,68 @@ from tandem.types import Draft
 LOOKUP_MIN_TOKENS = 1
 
 
-# Where the lookup's confidences start (per position, before any of its drafts was graded): 1,
-# so a position is admitted and graded until its pass rate is known. A position is only graded
-# when the scheduler admits it, and at 0.5 the later positions, rarely admitted, stayed at the
-# prior for good: dspark scheduled verified one-token lookup drafts in 491 of 948 rounds where
-# suffix decoding's own drafts ran to four tokens, 948 target forwards against 816-841 at 1
-# (Spec-Bench --limit 2, greedy, 128 tokens, Zen 5).
-PRIOR_CONFIDENCE = 1.0
-# Weight of a graded round in a request's moving average, and in the server-wide one.
-REQUEST_EMA = 0.3
-GLOBAL_EMA = 0.05
+# Upper bounds of the match-length classes a lookup draft's pass rates are kept by: the context's
+# tail matched over 1, 2, 3-4, 5-8, or 9 and more tokens. Replayed on 30 Spec-Bench greedy answers
+# (SmolLM2, the shipped corpus), a draft's first token passed 0.25 / 0.37 / 0.45 / 0.65 / 0.91 of
+# the time by class, and 0.54 from the request's own text against 0.20-0.31 from earlier answers
+# or the corpus.
+MATCH_CLASSES = (1, 2, 4, 8)
+# Passes every rate starts with (a graded position adds one grade): at 1 of 1, a position the
+# scheduler has never admitted is admitted and graded until its rate is known. Positions are only
+# graded when admitted, and a start of 0.5 kept the later ones out for good: dspark scheduled
+# verified one-token lookup drafts in 491 of 948 rounds where suffix decoding's own drafts ran to
+# four tokens (Spec-Bench --limit 2, greedy, 128 tokens, Zen 5).
+PRIOR_PASSES = 1
+
+
+class LookupConfidence:
+    """The confidences the lookup's drafts report, and what it learns from their grades.
+
+    Position j's base rate is how often position j of earlier lookup drafts passed when every
+    token before it had, over the whole server, kept apart by evidence (SuffixDrafter.evidence:
+    the request's own text or not, and the match-length class). The request's own grades then
+    move it by one logit offset per request (drafters/calibration.py), as a head's confidences
+    are corrected: a request whose text drafts better or worse than the average is seen within a
+    few rounds. Both are functions of the context and past rounds only."""
+
+    def __init__(self) -> None:
+        self.grades: dict[tuple[bool, int, int], tuple[int, int]] = {}  # (own, class, j) -> (graded, passed)
+        self.calibration = OnlineCalibration()
+        self.drafted: dict[str, tuple[bool, int]] = {}  # request -> evidence of its latest lookup draft
+
+    @staticmethod
+    def evidence_class(evidence: tuple[int, int]) -> tuple[bool, int]:
+        which, matched = evidence
+        return which == OWN_TRIE, bisect.bisect_left(MATCH_CLASSES, matched)
+
+    def rate(self, evidence: tuple[int, int], j: int) -> float:
+        graded, passed = self.grades.get((*self.evidence_class(evidence), j), (0, 0))
+        return (passed + PRIOR_PASSES) / (graded + PRIOR_PASSES)
+
+    def confidences(self, request_id: str, evidence: tuple[int, int], n: int) -> list[float]:
+        """The confidences of the request's lookup draft of n tokens (kept until it is graded)."""
+        self.drafted[request_id] = self.evidence_class(evidence)
+        return self.calibration.correct(request_id, [self.rate(evidence, j) for j in range(n)])
+
+    def not_drafted(self, request_id: str) -> None:
+        """The request's latest draft is not the lookup's: nothing of it to grade here."""
+        self.drafted.pop(request_id, None)
+        self.calibration.not_drafted(request_id)
+
+    def observe(self, request_id: str, verified: int, accepted: int) -> None:
+        """The first `verified` tokens of the request's latest lookup draft were graded, the
+        first `accepted` passed: position j was graded when every earlier one passed."""
+        drafted = self.drafted.pop(request_id, None)
+        if drafted is None:
+            return
+        for j in range(min(verified, accepted + 1)):
+            graded, passed = self.grades.get((*drafted, j), (0, 0))
+            self.grades[(*drafted, j)] = (graded + 1, passed + (j < accepted))
+        self.calibration.observe(request_id, verified, accepted)
+
+    def release(self, request_id: str) -> None:
+        self.drafted.pop(request_id, None)
+        self.calibration.release(request_id)
 
 
 class LookupFirst:
@@ -62,30 +116,19 @@ class LookupFirst:
         # the position after the last of them)
         self.pending: dict[str, tuple[list[dict[int, torch.Tensor]], int]] = {}
         self.confidences = confidences
-        self.global_passed = [PRIOR_CONFIDENCE] * spec.num_draft_tokens
-        self.passed: dict[str, list[float]] = {}  # per request and position: how often its lookup drafts passed
-        self.looked: set[str] = set()  # the requests whose latest draft is the lookup's
+        self.confidence = LookupConfidence()
         # request -> ((context length, budget), draft) from `peek`, for this round's `propose`
         self.peeked: dict[str, tuple[tuple[int, int], Draft]] = {}
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
         self.suffix.observe(outcomes)
         for o in outcomes:
-            if o.request_id not in self.looked:
-                continue
-            self.looked.discard(o.request_id)
-            mine = self.passed.setdefault(o.request_id, list(self.global_passed))
-            # Position j was graded when every earlier draft token passed; the first rejection ends it.
-            for j in range(min(o.num_drafted, o.num_accepted + 1, len(mine))):
-                outcome = 1.0 if j < o.num_accepted else 0.0
-                mine[j] += REQUEST_EMA * (outcome - mine[j])
-                self.global_passed[j] += GLOBAL_EMA * (outcome - self.global_passed[j])
+            self.confidence.observe(o.request_id, o.num_drafted, o.num_accepted)
 
     def release(self, request_id: str) -> None:
         self.peeked.pop(request_id, None)
         self.pending.pop(request_id, None)
-        self.passed.pop(request_id, None)
-        self.looked.discard(request_id)
+        self.confidence.release(request_id)
         self.suffix.release(request_id)
 
     def peek(self, inputs: list[DraftInput]) -> list[bool]:
@@ -113,14 +156,13 @@ class LookupFirst:
         out: list[Draft | None] = []
         for inp, draft in zip(inputs, self._suffix_drafts(inputs)):
             if len(draft) < LOOKUP_MIN_TOKENS:
-                self.looked.discard(inp.request_id)
+                self.confidence.not_drafted(inp.request_id)
                 out.append(None)
                 continue
             self._defer(inp)
             if self.confidences:
-                self.looked.add(inp.request_id)
-                passed = self.passed.get(inp.request_id, self.global_passed)
-                draft = Draft(draft.token_ids, confidence=passed[: len(draft)])
+                evidence = self.suffix.evidence[inp.request_id]
+                draft = Draft(draft.token_ids, confidence=self.confidence.confidences(inp.request_id, evidence, len(draft)))
             out.append(draft)
         return out
 

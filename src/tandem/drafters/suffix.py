@@ -18,6 +18,10 @@ from tandem.drafters.suffix_trie import SuffixTrie, TrieStream
 from tandem.types import Draft
 
 
+# The tries a draft can come from (SuffixDrafter.evidence).
+OWN_TRIE, GLOBAL_TRIE, CORPUS_TRIE = 0, 1, 2
+
+
 @dataclass(slots=True)
 class _Request:
     trie: SuffixTrie
@@ -83,6 +87,9 @@ class SuffixDrafter(Drafter):
         self.corpus_trie = corpus_trie(corpus, self.depth, target.vocab_size) if corpus else None
         self._global_streams: deque[TrieStream] = deque()
         self._requests: dict[str, _Request] = {}
+        # Per request, the evidence behind its latest draft: which trie it came from (OWN_TRIE,
+        # GLOBAL_TRIE or CORPUS_TRIE) and how many tokens of the context's tail that trie matched.
+        self.evidence: dict[str, tuple[int, int]] = {}
 
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
         return [self._propose_one(inp) for inp in batch]
@@ -94,6 +101,7 @@ class SuffixDrafter(Drafter):
                 req.trie.extend(req.stream, outcome.committed)
 
     def release(self, request_id: str) -> None:
+        self.evidence.pop(request_id, None)
         req = self._requests.pop(request_id, None)
         if req is None:
             return
@@ -114,7 +122,7 @@ class SuffixDrafter(Drafter):
             return Draft.empty()
         best, best_score = [], 0.0
         # The request's own trie first: on equal scores its evidence is the more specific.
-        for trie in (req.trie, self.global_trie, self.corpus_trie):
+        for which, trie in ((OWN_TRIE, req.trie), (GLOBAL_TRIE, self.global_trie), (CORPUS_TRIE, self.corpus_trie)):
             if trie is None:
                 continue
             cursor, m = trie.longest_match(inp.token_ids, self.max_match_len)
@@ -124,6 +132,9 @@ class SuffixDrafter(Drafter):
             tokens, score = trie.draft(cursor, budget, self.min_token_prob)
             if score > best_score:
                 best, best_score = tokens, score
+                self.evidence[inp.request_id] = (which, m)
+        if not best:
+            self.evidence.pop(inp.request_id, None)
         return Draft(token_ids=best)
 
     def _synced(self, inp: DraftInput) -> _Request:

@@ -61,6 +61,11 @@ class Engine:
         if config.spec.algorithm:
             target = TargetInfo.of(loaded, tuple(self.eos_ids), config.device)
             self.drafter = create_drafter(config.spec, target)
+            if config.spec.policy == "confidence" and not self.drafter.reports_confidences:
+                raise ValueError(
+                    f"the confidence scheduler prices drafts by the confidences their drafter reports, and "
+                    f"{config.spec.algorithm} reports none: use it with dflash or dspark, or choose "
+                    "--speculative-policy adaptive or fixed")
             self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round, self.runner.verify_rows)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted (a cache row each), prompt not yet all in the cache

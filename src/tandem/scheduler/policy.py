@@ -26,7 +26,9 @@ REQUEST_EMA = 0.3
 # Weight of one round in the server-wide estimate new requests start from.
 GLOBAL_EMA = 0.05
 # Per round without a draft, a request's estimate relaxes this far toward the prior, so a request
-# switched off for poor acceptance is retried after some tens of rounds rather than never.
+# switched off for poor acceptance is retried after some tens of rounds rather than never; and
+# the drafting time toward the fastest measured, so one slow measurement does not stop drafting
+# for good.
 RELAX = 0.03
 # Rounds without a draft after which the confidence scheduler prices a request as if its draft
 # would all pass, so its survivals are measured again (only where such a draft would pay).
@@ -223,6 +225,19 @@ class PricedPolicy(SpeculationPolicy):
         self.verify_rows = verify_rows
         self.min_gain = min_gain
         self.draft_seconds_per_unit = 0.0
+        self.draft_rounds = 0
+        self.fastest_draft = float("inf")  # the fastest drafting measured, per unit
+
+    def _measured_draft(self, per_unit: float) -> None:
+        self.fastest_draft = min(self.fastest_draft, per_unit)
+        self.draft_rounds += 1
+
+    def _relax_draft_cost(self) -> None:
+        """Called for a round that drafts nothing: drafting time is only measured when something
+        is drafted, so one slow measurement (the shared CPU taken away mid-draft) must not stop
+        drafting for good; the estimate relaxes toward the fastest drafting measured."""
+        if self.draft_rounds:
+            self.draft_seconds_per_unit += RELAX * (self.fastest_draft - self.draft_seconds_per_unit)
 
     def observe_round(self, tokens: int, seconds: float, lengths: Sequence[int] | None = None,
                       contexts: Sequence[int] | None = None) -> None:
@@ -310,6 +325,8 @@ class AdaptivePolicy(PricedPolicy):
             if rate > best_rate and rate > plain_rate * (1.0 + self.min_gain):
                 best_ks, best_rate = ks, rate
         self.last = Decision(B, tuple(best_ks), best_rate / plain_rate)
+        if not any(best_ks):
+            self._relax_draft_cost()
         return best_ks
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -328,6 +345,7 @@ class AdaptivePolicy(PricedPolicy):
         if tokens > 0:
             per_token = seconds / tokens
             self.draft_seconds_per_unit += 0.2 * (per_token - self.draft_seconds_per_unit)
+            self._measured_draft(per_token)
 
     def release(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
@@ -380,8 +398,6 @@ class ConfidenceScheduler(PricedPolicy):
         self.global_expected: dict[str, list[float]] = {}
         self.sources: dict[str, str] = {}  # this round's source of each request that drafts
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
-        self.draft_rounds = 0
-        self.fastest_draft = float("inf")  # the fastest round measured, per drafting request
 
     def _global(self, source: str) -> list[float]:
         return self.global_expected.setdefault(source, [1.0] * self.k_max)
@@ -406,8 +422,8 @@ class ConfidenceScheduler(PricedPolicy):
         for slot, k in zip(batch, ks):
             self.idle[slot.request_id] = 0 if k else self.idle.get(slot.request_id, 0) + 1
             self.sources[slot.request_id] = slot.source
-        if not any(ks) and self.draft_rounds:  # one slow round measured must not stop drafting for good
-            self.draft_seconds_per_unit += RELAX * (self.fastest_draft - self.draft_seconds_per_unit)
+        if not any(ks):
+            self._relax_draft_cost()
         return ks
 
     def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int,
@@ -469,9 +485,8 @@ class ConfidenceScheduler(PricedPolicy):
             per_request = seconds / tokens
             if not self.draft_rounds:
                 self.draft_seconds_per_unit = per_request
-            self.fastest_draft = min(self.fastest_draft, per_request)
             self.draft_seconds_per_unit += 0.2 * (per_request - self.draft_seconds_per_unit)
-            self.draft_rounds += 1
+            self._measured_draft(per_request)
 
     def release(self, request_id: str) -> None:
         self.expected.pop(request_id, None)
