@@ -157,16 +157,20 @@ def test_nothing_is_drafted_when_no_position_could_be_admitted(saved):
         return Engine(llm.loaded, dataclasses.replace(llm.engine.config, spec=spec), cost_curve=curve)
 
     linear = engine(CostCurve((1,), (1.0,)))
-    calls = []
-    propose = linear.drafter.propose
+    calls, asked = [], []
+    propose, sources = linear.drafter.propose, linear.drafter.draft_sources
     linear.drafter.propose = lambda batch: calls.append(len(batch)) or propose(batch)
+    # not even the lookup is asked which source would draft: the load pays no drafting at all
+    linear.drafter.draft_sources = lambda inputs: asked.append(len(inputs)) or sources(inputs)
     for ids in PROMPTS:
         linear.add_request(ids, GREEDY)
     while linear.has_work():
         linear.step()
-    assert calls == [] and linear.stats.num_drafts == 0
+    assert calls == [] and asked == [] and linear.stats.num_drafts == 0
+    assert not linear.policy.may_pay([DraftSlot("a", 4), DraftSlot("b", 4)])
 
     flat = engine(CostCurve((1, 64), (1.0, 1.0)))
+    assert flat.policy.may_pay([DraftSlot("a", 4), DraftSlot("b", 4)])
     reqs = [flat.add_request(ids, GREEDY) for ids in PROMPTS]
     while flat.has_work():
         flat.step()

@@ -250,10 +250,14 @@ class Engine:
             return [Draft.empty() for _ in batch]
         # The policy decides every length before anything is drafted (non-anticipation).
         slots = [DraftSlot(r.request_id, self._draft_budget(r), context=c) for r, c in zip(batch, contexts)]
-        sources = self._draft_sources(batch, slots) if self.policy.prices_sources else None
+        # Under load not even a perfect draft would pay: nothing is drafted, not even a lookup.
+        may_pay = self.policy.may_pay(slots)
+        sources = self._draft_sources(batch, slots) if self.policy.prices_sources and may_pay else None
         if sources is not None:
             slots = [dataclasses.replace(s, source=source) for s, source in zip(slots, sources)]
-        budgets = self.policy.draft_lengths(slots)
+        budgets = self.policy.draft_lengths(slots)  # the policy's bookkeeping runs either way
+        if not may_pay:
+            budgets = [0] * len(batch)
         inputs, rows = [], []
         for i, (req, k) in enumerate(zip(batch, budgets)):
             if k > 0:

@@ -156,6 +156,12 @@ class SpeculationPolicy(ABC):
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
         """One draft length per slot, each in [0, slot.limit]; 0 turns speculation off for it."""
 
+    def may_pay(self, batch: Sequence[DraftSlot]) -> bool:
+        """Whether any draft could pay at this load, even one that all passes and costs nothing
+        to draft. False: the engine drafts nothing this round and asks no drafter anything (it
+        still calls draft_lengths, which then gives every request 0)."""
+        return True
+
     def cut(self, request_id: str, draft: Draft) -> Draft:
         """The part of a proposed chain to verify: a prefix. It may read what was fixed before
         each token was drawn (the context, the earlier tokens, the drafter's confidences; for a
@@ -401,6 +407,18 @@ class ConfidenceScheduler(PricedPolicy):
 
     def _global(self, source: str) -> list[float]:
         return self.global_expected.setdefault(source, [1.0] * self.k_max)
+
+    def may_pay(self, batch: Sequence[DraftSlot]) -> bool:
+        """The admission before drafting with every survival 1 and no drafting cost: the most
+        any draft could bring. Under load it brings too little, and nothing is drafted at all
+        (not even the lookup asked for its source), so the load pays no drafting."""
+        B = len(batch)
+        if B == 0:
+            return False
+        contexts = slot_contexts(batch)
+        best_case = [[1.0] * min(max(0, slot.limit), self.k_max) for slot in batch]
+        _, rate = self._admission(B, best_case, past_dips=True, contexts=contexts)
+        return rate > B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain)
 
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
         B = len(batch)
