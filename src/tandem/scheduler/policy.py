@@ -264,8 +264,9 @@ class AdaptivePolicy(PricedPolicy):
     Request r with conditional acceptance a_r[i] (moving average of its own past rounds) commits
     tau_r(k) = 1 + sum_{j<k} prod_{i<=j} a_r[i] tokens per forward with k drafts. With a common cap K
     each request verifies min(K, ...) + 1 tokens, and the forward costs curve(rows) plus what
-    the requests' prefixes add (PricedPolicy.seconds) plus the drafter's time, where rows = verify_rows(those lengths) is what the runner really computes
-    (ModelRunner.verify_rows: their sum on the fused path, B x the longest on the padded one);
+    the requests' prefixes add (PricedPolicy.seconds) plus the drafter's time, where rows =
+    verify_rows(those lengths) is what the runner really computes (ModelRunner.verify_rows:
+    their sum on the fused path, B x the longest on the padded one);
     `curve` is the profile corrected by measured rounds (LiveCurve). Trees (eagle_topk > 1): K
     is the depth, a_r[i] the acceptance at depth i, and each drafting request is costed at its
     full node budget, num_draft_tokens + 1 tokens, whatever K (an upper bound). For each K in
