@@ -178,6 +178,33 @@ def test_nothing_is_drafted_when_no_position_could_be_admitted(saved):
     assert tuple(tuple(r.output_ids) for r in reqs) == plain()  # greedy identity under the scheduler
 
 
+def test_may_pay_bounds_a_round_by_what_past_rounds_say():
+    """Before asking the drafter anything, the scheduler checks that a draft could pay at each
+    request's best expected survivals over the drafter's sources: once both sources' drafts are
+    known to fail here, nothing is asked until the request is due a retry."""
+    from tandem.scheduler.policy import RETRY_ROUNDS
+
+    s = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"), CostCurve((1, 2, 3), (1.0, 1.15, 1.3)),
+                            sources=("lookup", "head"))
+    slots = [DraftSlot("a", 2)]
+    assert s.may_pay(slots)  # nothing learnt yet: a draft that all passes would pay
+    for source in ("lookup", "head"):
+        s.draft_lengths([DraftSlot("a", 2, source)])
+        s.admit(["a"], [chain(0.05, 0.05)], batch=1)
+    assert not s.may_pay(slots)
+    s.admit(["b"], [chain(0.9, 0.9)], batch=1)  # another request's good drafts: its own business
+    assert not s.may_pay(slots)
+    for _ in range(RETRY_ROUNDS):
+        s.skip_round(slots)
+    assert s.may_pay(slots)  # due a retry: priced as if its draft would all pass
+    # one source still unknown for the request: the server-wide survivals bound it
+    t = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"), CostCurve((1, 2, 3), (1.0, 1.15, 1.3)),
+                            sources=("lookup", "head"))
+    t.draft_lengths([DraftSlot("a", 2, "lookup")])
+    t.admit(["a"], [chain(0.05, 0.05)], batch=1)
+    assert t.may_pay(slots)
+
+
 def test_a_request_switched_off_is_retried_later():
     s = scheduler(CostCurve((1, 2, 3), (1.0, 1.35, 1.7)), k=2)
     s.admit(["a"], [chain(0.1, 0.1)], batch=1)  # its survivals are now low

@@ -129,6 +129,11 @@ class Drafter(ABC):
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
         """One Draft per input, at most `max_draft_tokens` long (empty drafts are allowed)."""
 
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """Every name draft_sources can give ("" when it gives none)."""
+        return ("",)
+
     def draft_sources(self, batch: list[DraftInput]) -> list[str] | None:
         """Before anything is drafted, which of the drafter's sources each request's draft would
         come from this round (e.g. "lookup" or "head"), for a policy that prices them apart; None

@@ -76,6 +76,10 @@ class DFlashDrafter(HeadDrafter):
         if self.lookup is not None:
             self.lookup.release(request_id)
 
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return ("lookup", "head") if self.lookup is not None else ("",)
+
     def draft_sources(self, batch: list[DraftInput]) -> list[str] | None:
         """"lookup" where the suffix lookup has a draft this round (it is proposed instead of the
         head's, and costs no drafting), else "head"; None without the lookup."""

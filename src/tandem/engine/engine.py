@@ -66,7 +66,8 @@ class Engine:
                     f"the confidence scheduler prices drafts by the confidences their drafter reports, and "
                     f"{config.spec.algorithm} reports none: use it with dflash or dspark, or choose "
                     "--speculative-policy adaptive or fixed")
-            self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round, self.runner.verify_rows)
+            self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round, self.runner.verify_rows,
+                                        self.drafter.source_names)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted (a cache row each), prompt not yet all in the cache
         self.running: list[Request] = []
@@ -250,14 +251,13 @@ class Engine:
             return [Draft.empty() for _ in batch]
         # The policy decides every length before anything is drafted (non-anticipation).
         slots = [DraftSlot(r.request_id, self._draft_budget(r), context=c) for r, c in zip(batch, contexts)]
-        # Under load not even a perfect draft would pay: nothing is drafted, not even a lookup.
-        may_pay = self.policy.may_pay(slots)
-        sources = self._draft_sources(batch, slots) if self.policy.prices_sources and may_pay else None
+        if not self.policy.may_pay(slots):  # nothing could pay: no drafter is asked anything
+            self.policy.skip_round(slots)
+            return [Draft.empty() for _ in batch]
+        sources = self._draft_sources(batch, slots) if self.policy.prices_sources else None
         if sources is not None:
             slots = [dataclasses.replace(s, source=source) for s, source in zip(slots, sources)]
-        budgets = self.policy.draft_lengths(slots)  # the policy's bookkeeping runs either way
-        if not may_pay:
-            budgets = [0] * len(batch)
+        budgets = self.policy.draft_lengths(slots)
         inputs, rows = [], []
         for i, (req, k) in enumerate(zip(batch, budgets)):
             if k > 0:

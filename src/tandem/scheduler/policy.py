@@ -157,10 +157,13 @@ class SpeculationPolicy(ABC):
         """One draft length per slot, each in [0, slot.limit]; 0 turns speculation off for it."""
 
     def may_pay(self, batch: Sequence[DraftSlot]) -> bool:
-        """Whether any draft could pay at this load, even one that all passes and costs nothing
-        to draft. False: the engine drafts nothing this round and asks no drafter anything (it
-        still calls draft_lengths, which then gives every request 0)."""
+        """Whether any draft could pay this round, at the most it could bring from what past
+        rounds say. False: the engine drafts nothing, asks no drafter anything and calls
+        `skip_round` instead of draft_lengths."""
         return True
+
+    def skip_round(self, batch: Sequence[DraftSlot]) -> None:
+        """A round in which nothing is drafted because may_pay said so."""
 
     def cut(self, request_id: str, draft: Draft) -> Draft:
         """The part of a proposed chain to verify: a prefix. It may read what was fixed before
@@ -254,8 +257,18 @@ class PricedPolicy(SpeculationPolicy):
         rows over a prefix of contexts[i] tokens (None: the profile's prefix): the curve at the
         rows the runner computes, plus what those prefixes add (at least half the curve's time,
         as LiveCurve keeps it)."""
-        at_profile = self.curve(self.verify_rows(lengths))
-        return max(at_profile + self.curve.profile.context_seconds(lengths, contexts), 0.5 * at_profile)
+        return self._priced(lengths, self.curve.profile.context_seconds(lengths, contexts))
+
+    def _priced(self, lengths: Sequence[int], context_seconds: float, memo: dict[int, float] | None = None) -> float:
+        """`seconds` with what the prefixes add already summed (callers that add rows one at a
+        time update it by each row's share; memo: the curve's values already read this round)."""
+        rows = self.verify_rows(lengths)
+        at_profile = memo.get(rows) if memo is not None else None
+        if at_profile is None:
+            at_profile = self.curve(rows)
+            if memo is not None:
+                memo[rows] = at_profile
+        return max(at_profile + context_seconds, 0.5 * at_profile)
 
 
 class AdaptivePolicy(PricedPolicy):
@@ -395,8 +408,10 @@ class ConfidenceScheduler(PricedPolicy):
     prices_sources = True
 
     def __init__(self, spec: SpecConfig, curve: CostCurve | None,
-                 verify_rows: Callable[[Sequence[int]], int] = padded_rows, min_gain: float = MIN_GAIN) -> None:
+                 verify_rows: Callable[[Sequence[int]], int] = padded_rows, min_gain: float = MIN_GAIN,
+                 sources: Sequence[str] = ("",)) -> None:
         super().__init__(spec, curve, verify_rows, min_gain, "confidence scheduler")
+        self.source_names = tuple(sources)  # what the drafter's DraftSlot.source can be
         if spec.tree:
             raise ValueError("the confidence scheduler verifies chains: use --speculative-eagle-topk 1")
         # Each drafted request's recent survivals per draft source (past rounds only), and what a
@@ -409,17 +424,34 @@ class ConfidenceScheduler(PricedPolicy):
     def _global(self, source: str) -> list[float]:
         return self.global_expected.setdefault(source, [1.0] * self.k_max)
 
+    def _best_expected(self, slot: DraftSlot) -> list[float]:
+        """The highest survivals draft_lengths could price this request at, whichever source
+        drafts it: per position, the best of its expected survivals over the drafter's sources
+        (a source it has not drafted from: the server-wide ones), or all 1 once it is due a retry."""
+        if self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS:
+            return [1.0] * self.k_max
+        mine = self.expected.get(slot.request_id, {})
+        return [max(p) for p in zip(*((mine.get(s) or self._global(s)) for s in self.source_names))]
+
     def may_pay(self, batch: Sequence[DraftSlot]) -> bool:
-        """The admission before drafting with every survival 1 and no drafting cost: the most
-        any draft could bring. Under load it brings too little, and nothing is drafted at all
-        (not even the lookup asked for its source), so the load pays no drafting."""
+        """The admission before drafting at each request's best expected survivals, with no
+        drafting cost: the most this round's drafts could bring, from past rounds. Under load it
+        brings too little, and nothing is drafted at all, not even the suffix lookup asked for
+        its draft, so the load pays no drafting. (An upper bound up to the prefixes' share of
+        each row, which differs between requests: a gate, not the decision.)"""
         B = len(batch)
         if B == 0:
             return False
         contexts = slot_contexts(batch)
-        best_case = [[1.0] * min(max(0, slot.limit), self.k_max) for slot in batch]
+        best_case = [self._best_expected(slot)[: max(0, slot.limit)] for slot in batch]
         _, rate = self._admission(B, best_case, past_dips=True, contexts=contexts)
         return rate > B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain)
+
+    def skip_round(self, batch: Sequence[DraftSlot]) -> None:
+        for slot in batch:
+            self.idle[slot.request_id] = self.idle.get(slot.request_id, 0) + 1
+        self.last = Decision(len(batch), (0,) * len(batch), 1.0)
+        self._relax_draft_cost()
 
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
         B = len(batch)
@@ -481,18 +513,25 @@ class ConfidenceScheduler(PricedPolicy):
         lengths = [0] * len(survivals)
         rows = [1] * batch  # each request's verified rows: 1 + its admitted length
         committed, drafting = float(batch), 0.0
-        best = committed / self.seconds(rows, contexts)
+        # What the prefixes add, kept up to date a row at a time (each row reads its request's keys).
+        profile = self.curve.profile
+        prefixes = profile.context_seconds(rows, contexts)
+        row_share = [(c - profile.context) * profile.per_key_row for c in contexts] if contexts is not None else None
+        memo: dict[int, float] = {}
+        best = committed / self._priced(rows, prefixes, memo)
         best_lengths = list(lengths)
         for a, j, r in order:
             # this request's first pair also pays its drafting
             cost = draft_seconds[r] if draft_seconds is not None and lengths[r] == 0 else 0.0
             rows[r] += 1
-            rate = (committed + a) / (self.seconds(rows, contexts) + drafting + cost)
+            share = row_share[r] if row_share is not None else 0.0
+            rate = (committed + a) / (self._priced(rows, prefixes + share, memo) + drafting + cost)
             if rate <= best and not past_dips:
                 break
             lengths[r] += 1
             committed += a
             drafting += cost
+            prefixes += share
             if rate > best:
                 best, best_lengths = rate, list(lengths)
         return best_lengths, best
@@ -514,13 +553,15 @@ class ConfidenceScheduler(PricedPolicy):
 
 
 def create_policy(spec: SpecConfig, curve: CostCurve | None = None, per_round_drafts: bool = False,
-                  verify_rows: Callable[[Sequence[int]], int] = padded_rows) -> SpeculationPolicy:
+                  verify_rows: Callable[[Sequence[int]], int] = padded_rows,
+                  sources: Sequence[str] = ("",)) -> SpeculationPolicy:
     """The policy spec.policy names (SpecConfig has validated the name); per_round_drafts: the
     drafter's cost is per round (Drafter.cost_per_round), which the adaptive policy prices;
     verify_rows: the rows a verification forward computes for given per-request lengths
-    (ModelRunner.verify_rows), which the adaptive policy and the confidence scheduler price."""
+    (ModelRunner.verify_rows), which the adaptive policy and the confidence scheduler price;
+    sources: the drafter's source names (Drafter.source_names), which the scheduler bounds by."""
     if spec.policy == "fixed":
         return FixedPolicy(spec, curve)
     if spec.policy == "confidence":
-        return ConfidenceScheduler(spec, curve, verify_rows)
+        return ConfidenceScheduler(spec, curve, verify_rows, sources=sources)
     return AdaptivePolicy(spec, curve, per_round_drafts=per_round_drafts, verify_rows=verify_rows)
