@@ -132,17 +132,32 @@ def test_a_retry_happens_only_where_a_draft_that_always_passes_would_pay():
 
 def test_the_policy_learns_drafting_time_from_steady_rounds_only(saved):
     """A request's first draft catches the drafter up on its whole prompt: that round's time is
-    not the per-round cost the policy prices, so it is not reported; the others are."""
+    not the per-round cost the policy prices but a cost per row caught up on, told apart
+    (observe_catch_up) with the request's backlog (DraftSlot.backlog)."""
     llm = make_llm("dspark", saved("dspark"), k=3, max_num_seqs=1)
-    eng = llm.engine
-    observed, rows = [], []
-    propose, tell = eng.drafter.propose, eng.policy.observe_draft_time
-    eng.drafter.propose = lambda batch: rows.append(max(len(h) for inp in batch for h in inp.hidden.values())) or propose(batch)
-    eng.policy.observe_draft_time = lambda seconds, units: observed.append(units) or tell(seconds, units)
+    eng = llm.engine  # a fixed k: the head drafts every round the lookup has nothing
+    steady, caught, backlogs = [], [], []
+    tell, catch, lengths = eng.policy.observe_draft_time, eng.policy.observe_catch_up, eng.policy.draft_lengths
+    eng.policy.observe_draft_time = lambda seconds, units: steady.append(units) or tell(seconds, units)
+    eng.policy.observe_catch_up = lambda seconds, rows, units: caught.append(rows) or catch(seconds, rows, units)
+    eng.policy.draft_lengths = lambda slots: backlogs.append(slots[0].backlog) or lengths(slots)
     long_prompt = PROMPTS[2] * 3  # 39 rows to catch up on at the first draft
     assert llm.generate([long_prompt], GREEDY)[0].token_ids
-    assert rows[0] == len(long_prompt) and len(rows) > 1
-    assert len(observed) == sum(n <= eng.config.spec.max_draft_len + 1 for n in rows) == len(rows) - 1
+    most = eng.config.spec.max_draft_len + 1
+    assert backlogs[0] == len(long_prompt) and caught[0] == len(long_prompt)
+    assert steady and all(rows > most for rows in caught)
+
+
+def test_a_head_is_priced_by_the_rows_it_would_catch_up_on():
+    """Catching up is learnt per row, beyond a steady round's time, and a head draft is priced
+    by its request's backlog: one that would first catch up on a long prompt costs more."""
+    s = scheduler(CostCurve((1, 2, 8), (0.003, 0.0031, 0.0035)), k=2)
+    s.observe_draft_time(0.001, 1)
+    s.observe_catch_up(0.001 + 300 * 0.00005, 300, 1)
+    assert s.catch_up_per_row == pytest.approx(0.00005)
+    s.expected["a"] = {"head": [0.5, 0.25]}
+    assert s.draft_lengths([DraftSlot("a", 2, "head")]) == [2]
+    assert s.draft_lengths([DraftSlot("a", 2, "head", backlog=300)]) == [0]  # 15 ms to catch up first
 
 
 # ---- drafting only what could be admitted -------------------------------------------------------

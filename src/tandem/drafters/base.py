@@ -129,6 +129,11 @@ class Drafter(ABC):
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
         """One Draft per input, at most `max_draft_tokens` long (empty drafts are allowed)."""
 
+    def waiting_rows(self, request_id: str) -> int:
+        """Hidden rows the drafter holds for the request and would catch up on before its next
+        draft, beyond those the engine hands it (DraftSlot.backlog)."""
+        return 0
+
     @property
     def source_names(self) -> tuple[str, ...]:
         """Every name draft_sources can give ("" when it gives none)."""

@@ -76,6 +76,9 @@ class DFlashDrafter(HeadDrafter):
         if self.lookup is not None:
             self.lookup.release(request_id)
 
+    def waiting_rows(self, request_id: str) -> int:
+        return self.lookup.waiting_rows(request_id) if self.lookup is not None else 0
+
     @property
     def source_names(self) -> tuple[str, ...]:
         return ("lookup", "head") if self.lookup is not None else ("",)

@@ -250,7 +250,9 @@ class Engine:
         if self.drafter is None:
             return [Draft.empty() for _ in batch]
         # The policy decides every length before anything is drafted (non-anticipation).
-        slots = [DraftSlot(r.request_id, self._draft_budget(r), context=c) for r, c in zip(batch, contexts)]
+        slots = [DraftSlot(r.request_id, self._draft_budget(r), context=c,
+                           backlog=len(r.pending_hidden) + self.drafter.waiting_rows(r.request_id))
+                 for r, c in zip(batch, contexts)]
         if not self.policy.may_pay(slots):  # nothing could pay: no drafter is asked anything
             self.policy.skip_round(slots)
             return [Draft.empty() for _ in batch]
@@ -277,14 +279,26 @@ class Engine:
                                      [contexts[i] for i in rows] + others)
         for i, draft in zip(rows, admitted):
             drafts[i] = draft
-        if inputs and self._steady(inputs):
-            if sources is not None:  # the lookup's drafts cost no drafting: count the others
-                units = sum(1 for i in rows if sources[i] != "lookup")
-            else:
-                units = len(rows) if self.drafter.cost_per_round else sum(drafts[i].depth for i in rows)
-            if units:
-                self.policy.observe_draft_time(time.perf_counter() - t0, units)
+        if inputs:
+            self._learn_draft_time(time.perf_counter() - t0, [i for i in rows if sources is None or sources[i] != "lookup"],
+                                   slots, drafts)
         return drafts
+
+    def _learn_draft_time(self, seconds: float, drafted: list[int], slots: list[DraftSlot], drafts: list[Draft]) -> None:
+        """The policy learns the drafting time of the requests a drafter drafted (a lookup's
+        drafts cost none): per request for a drafter whose cost is per round, per draft token
+        otherwise. A round in which some had more hidden rows to catch up on than one round
+        commits (a request's first draft: its whole prompt, 15 ms for 300 tokens with dspark
+        against 1 ms a round; a head's first draft after lookup rounds) is a one-off cost, which
+        the policy learns apart (observe_catch_up)."""
+        units = len(drafted) if self.drafter.cost_per_round else sum(drafts[i].depth for i in drafted)
+        if not units:
+            return
+        most = self.config.spec.max_draft_len + 1
+        if all(slots[i].backlog <= most for i in drafted):
+            self.policy.observe_draft_time(seconds, units)
+        else:
+            self.policy.observe_catch_up(seconds, sum(slots[i].backlog for i in drafted), units)
 
     def _draft_sources(self, batch: list[Request], slots: list[DraftSlot]) -> list[str] | None:
         """Which source each request's draft would come from this round (Drafter.draft_sources),
@@ -301,14 +315,6 @@ class Engine:
         for i, source in zip(may, found):
             sources[i] = source
         return sources
-
-    def _steady(self, inputs: list[DraftInput]) -> bool:
-        """Whether no drafter input carries more new hidden rows than one round commits. A
-        request's first draft catches its drafter up on the whole prompt, and one after rounds
-        without a draft on all their rows: a one-off cost (15 ms for a 300-token prompt with
-        dspark, against 1 ms a round) that the policy, pricing the rounds to come, must not learn."""
-        most = self.config.spec.max_draft_len + 1
-        return all(len(h) <= most for inp in inputs for h in inp.hidden.values())
 
     def _draft_budget(self, req: Request) -> int:
         """The most draft tokens this request may use this round (the policy picks within it):

@@ -30,6 +30,10 @@ class HiddenRows:
         for layer, h in rows.items():
             self._rows.setdefault(layer, []).append(h)
 
+    def __len__(self) -> int:
+        """Rows held (of each layer)."""
+        return sum(len(h) for h in next(iter(self._rows.values()), []))
+
     def take(self) -> dict[int, torch.Tensor]:
         joined = self._joined()
         self._rows = {}

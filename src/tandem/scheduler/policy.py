@@ -67,6 +67,9 @@ class DraftSlot:
     # Tokens before this round's (the keys its verified rows read; CostCurve.context_seconds);
     # None: priced at the profile's prefix.
     context: int | None = None
+    # Hidden rows the drafter would catch up on before drafting (a request's prompt at its first
+    # draft, the rounds a head sat out): a one-off cost on top of a round's.
+    backlog: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,10 @@ class SpeculationPolicy(ABC):
     def observe_draft_time(self, seconds: float, tokens: int) -> None:
         """The drafter spent `seconds` proposing `tokens` tokens (trees: depth levels; a drafter
         whose cost is per round: one per draft) for the batch."""
+
+    def observe_catch_up(self, seconds: float, rows: int, units: int) -> None:
+        """The drafter spent `seconds` drafting `units` units after catching up on `rows` hidden
+        rows (DraftSlot.backlog): not a steady round's cost (observe_draft_time)."""
 
     def observe_round(self, tokens: int, seconds: float, lengths: Sequence[int] | None = None,
                       contexts: Sequence[int] | None = None) -> None:
@@ -420,6 +427,7 @@ class ConfidenceScheduler(PricedPolicy):
         self.global_expected: dict[str, list[float]] = {}
         self.sources: dict[str, str] = {}  # this round's source of each request that drafts
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
+        self.catch_up_per_row = 0.0  # drafting time per backlog row, beyond a steady round's
 
     def _global(self, source: str) -> list[float]:
         return self.global_expected.setdefault(source, [1.0] * self.k_max)
@@ -462,8 +470,10 @@ class ConfidenceScheduler(PricedPolicy):
             retry = self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS
             expected = self.expected.get(slot.request_id, {}).get(slot.source) or self._global(slot.source)
             survivals.append(([1.0] * self.k_max if retry else expected)[: max(0, slot.limit)])
-            # A lookup's draft is a trie walk: it costs no drafting worth pricing.
-            costs.append(0.0 if slot.source == "lookup" else self.draft_seconds_per_unit)
+            # A lookup's draft is a trie walk: it costs no drafting worth pricing. A head's costs
+            # a round, plus catching up on the rows it has not seen (its backlog).
+            costs.append(0.0 if slot.source == "lookup"
+                         else self.draft_seconds_per_unit + slot.backlog * self.catch_up_per_row)
         contexts = slot_contexts(batch)
         lengths, rate = self._admission(B, survivals, costs, past_dips=True, contexts=contexts)
         if rate <= B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain):
@@ -545,6 +555,11 @@ class ConfidenceScheduler(PricedPolicy):
                 self.draft_seconds_per_unit = per_request
             self.draft_seconds_per_unit += 0.2 * (per_request - self.draft_seconds_per_unit)
             self._measured_draft(per_request)
+
+    def observe_catch_up(self, seconds: float, rows: int, units: int) -> None:
+        if rows > 0:
+            per_row = max(0.0, seconds - units * self.draft_seconds_per_unit) / rows
+            self.catch_up_per_row += (1.0 if self.catch_up_per_row == 0.0 else 0.2) * (per_row - self.catch_up_per_row)
 
     def release(self, request_id: str) -> None:
         self.expected.pop(request_id, None)
