@@ -8,7 +8,8 @@ from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engine.engine import Engine
 from tandem.llm import LLM
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.policy import AdaptivePolicy, DraftSlot, FixedPolicy, create_policy
+from tandem.scheduler.factory import create_policy
+from tandem.scheduler.policy import AdaptivePolicy, DraftSlot, FixedPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,7 +135,6 @@ def test_a_per_round_drafter_is_priced_per_round_not_per_token():
 
 
 def test_engine_tells_the_policy_how_its_drafter_is_priced():
-    from tandem.scheduler.policy import create_policy
 
     spec = SpecConfig(algorithm="suffix", num_draft_tokens=4, policy="adaptive")
     assert create_policy(spec, CPU, per_round_drafts=True).per_round_drafts

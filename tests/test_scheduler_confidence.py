@@ -21,7 +21,8 @@ from tandem.drafters import Drafter, register
 from tandem.engine.engine import Engine
 from tandem.sampling import processed_probs
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.policy import RETRY_ROUNDS, ConfidenceScheduler, DraftSlot, padded_rows
+from tandem.scheduler.confidence import RETRY_ROUNDS, ConfidenceScheduler
+from tandem.scheduler.policy import DraftSlot, padded_rows
 from tandem.types import Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -197,8 +198,6 @@ def test_may_pay_bounds_a_round_by_what_past_rounds_say():
     """Before asking the drafter anything, the scheduler checks that a draft could pay at each
     request's best expected survivals over the drafter's sources: once both sources' drafts are
     known to fail here, nothing is asked until the request is due a retry."""
-    from tandem.scheduler.policy import RETRY_ROUNDS
-
     s = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"), CostCurve((1, 2, 3), (1.0, 1.15, 1.3)),
                             sources=("lookup", "head"))
     slots = [DraftSlot("a", 2)]

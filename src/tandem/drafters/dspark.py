@@ -9,7 +9,7 @@ block of k inputs. Then, for j = 0 .. k-1:
    greedy requests), which is exactly its q given x_0 .. x_{j-1};
 2. c_j = confidence(h_j, e_j), calibrated per position for the request's kind (greedy or
    sampled), is computed before x_j is drawn and reported in Draft.confidence.
-The confidence scheduler (scheduler/policy.py, ConfidenceScheduler) admits the verified prefix of
+The confidence scheduler (scheduler/confidence.py, ConfidenceScheduler) admits the verified prefix of
 every draft from these survivals; docs/algorithms.md section 6 says why that stays lossless.
 """
 

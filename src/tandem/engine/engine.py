@@ -30,7 +30,8 @@ from tandem.model.loader import LoadedModel
 from tandem.model.runner import ForwardOutput, ModelRunner, SeqInput
 from tandem.sampling import NonFiniteLogitsError, make_generator
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.policy import DraftSlot, SpeculationPolicy, create_policy
+from tandem.scheduler.factory import create_policy
+from tandem.scheduler.policy import DraftSlot, SpeculationPolicy
 from tandem.types import Draft, SpecStats
 from tandem.verify import grading
 from tandem.verify.paths import rooted_parents

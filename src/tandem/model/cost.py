@@ -21,23 +21,13 @@ CONTEXT_FOR_CURVE = 200
 def forward_cost_curve(loaded, repeats: int = 5, sizes=CURVE_SIZES, context: int = CONTEXT_FOR_CURVE,
                        clock=time.perf_counter) -> dict[int, float]:
     """{n: fastest seconds of a verification forward over n new tokens} for a LoadedModel."""
-    cache = KVCache(loaded.config, 1, context + max(sizes) + 1, loaded.dtype, storage=loaded.kv_dtype())
-    runner = ModelRunner(loaded.model, cache)
-    seq = cache.allocate()
-    vocab = loaded.config.vocab_size
-    runner.forward([SeqInput(seq, [(100 + i % 1000) % vocab for i in range(context)])])
-
-    def forward(n: int) -> None:
-        runner.forward([SeqInput(seq, [(200 + i) % vocab for i in range(n)], logits="all")], token_by_token=True)
-        cache.truncate(seq, context)
-
-    return fastest_of(forward, sizes, repeats, clock)
+    return prefix_costs(loaded, sizes, (context,), repeats, clock)[context]
 
 
 def prefix_costs(loaded, sizes, contexts, repeats: int = 5, clock=time.perf_counter) -> dict[int, dict[int, float]]:
-    """{context: {n: fastest seconds}}: forward_cost_curve's measurement at several prefixes at
-    once, one sequence per prefix, every (prefix, size) in turn within each repeat, so a slow spell
-    of the shared CPU hits both prefixes alike rather than one."""
+    """{context: {n: fastest seconds}}: the measurement at several prefixes at once (one for
+    forward_cost_curve), one sequence per prefix, every (prefix, size) in turn within each
+    repeat, so a slow spell of the shared CPU hits both prefixes alike rather than one."""
     cache = KVCache(loaded.config, len(contexts), max(contexts) + max(sizes) + 1, loaded.dtype,
                     storage=loaded.kv_dtype())
     runner = ModelRunner(loaded.model, cache)

@@ -1,0 +1,206 @@
+"""DSpark's confidence-scheduled verification: which of this round's drafted tokens to verify,
+across the whole batch, from the drafters' confidences and the cost curve (docs/algorithms.md
+section 6)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from tandem.config import SpecConfig
+from tandem.scheduler.cost_model import CostCurve
+from tandem.scheduler.policy import (GLOBAL_EMA, MIN_GAIN, REQUEST_EMA, Decision, DraftSlot, PricedPolicy,
+                                     padded_rows, slot_contexts)
+from tandem.types import Draft
+
+# Rounds without a draft after which the confidence scheduler prices a request as if its draft
+# would all pass, so its survivals are measured again (only where such a draft would pay).
+RETRY_ROUNDS = 32
+
+
+class ConfidenceScheduler(PricedPolicy):
+    """DSpark's confidence-scheduled verification (docs/algorithms.md section 6).
+
+    After drafting, each drafting request r reports survivals a_{r,j} = prod_{i<=j} c_{r,i} from
+    its drafter's calibrated confidences. `admit` takes the (r, j) pairs of the whole batch in
+    descending a (ties: smaller j first, so every request's admitted pairs form a prefix) and
+    keeps adding them while the predicted throughput, (B + sum of admitted a) / curve(rows),
+    rises; it stops at the first pair that would lower it. `curve` is the profile corrected by
+    measured rounds, plus what the requests' prefixes add (PricedPolicy.seconds), and rows =
+    verify_rows(1 + each request's admitted length): the rows the runner really computes.
+    Drafting is sunk by then, so only verification is priced.
+
+    Stopping at the first drop is what keeps it lossless: whether (r, j) is admitted depends only
+    on the pairs ranked before it, and (r, j+1), whose survival reads x_{r,j}, never ranks before
+    (r, j). An admission that looked past a dip, or picked the best set overall, would decide on
+    x_{r,j} from a value that depends on it.
+
+    The drafter reports its confidences already corrected online for the request
+    (drafters/calibration.py). Before drafting, `draft_lengths` prices expected survivals (a
+    moving average of each request's survivals over its recent drafts; a new request's is the server-wide
+    one, which starts at 1 so that the first requests draft and measure), with the drafter's
+    measured seconds per drafting request added to the cost of its first pair, and takes the
+    best prefix of the ranked pairs: nothing has been drawn yet, so looking past a dip reads
+    nothing this round drafts. When that admits nothing for a request, it does not draft this
+    round; when it admits nothing at all, nothing is drafted. A request idle for RETRY_ROUNDS
+    rounds is priced as if its draft would all pass, so it drafts again where that would pay
+    and its survivals are measured afresh (the text may have turned easier to draft).
+
+    A drafter with two sources (a head behind the suffix lookup) says before drafting which one
+    each request's draft would come from (DraftSlot.source, from the context alone): survivals
+    are then kept per source, and a lookup's draft is priced without drafting cost, so a head
+    whose drafts do not pay stops drafting while the lookup's drafts still go on.
+    """
+
+    prices_sources = True
+
+    def __init__(self, spec: SpecConfig, curve: CostCurve | None,
+                 verify_rows: Callable[[Sequence[int]], int] = padded_rows, min_gain: float = MIN_GAIN,
+                 sources: Sequence[str] = ("",)) -> None:
+        super().__init__(spec, curve, verify_rows, min_gain, "confidence scheduler")
+        self.source_names = tuple(sources)  # what the drafter's DraftSlot.source can be
+        if spec.tree:
+            raise ValueError("the confidence scheduler verifies chains: use --speculative-eagle-topk 1")
+        # Each drafted request's recent survivals per draft source (past rounds only), and what a
+        # new request is assumed to start with, per source.
+        self.expected: dict[str, dict[str, list[float]]] = {}
+        self.global_expected: dict[str, list[float]] = {}
+        self.sources: dict[str, str] = {}  # this round's source of each request that drafts
+        self.idle: dict[str, int] = {}  # rounds since each request last drafted
+        self.catch_up_per_row = 0.0  # drafting time per backlog row, beyond a steady round's
+
+    def _global(self, source: str) -> list[float]:
+        return self.global_expected.setdefault(source, [1.0] * self.k_max)
+
+    def _best_expected(self, slot: DraftSlot) -> list[float]:
+        """The highest survivals draft_lengths could price this request at, whichever source
+        drafts it: per position, the best of its expected survivals over the drafter's sources
+        (a source it has not drafted from: the server-wide ones), or all 1 once it is due a retry."""
+        if self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS:
+            return [1.0] * self.k_max
+        mine = self.expected.get(slot.request_id, {})
+        return [max(p) for p in zip(*((mine.get(s) or self._global(s)) for s in self.source_names))]
+
+    def may_pay(self, batch: Sequence[DraftSlot]) -> bool:
+        """The admission before drafting at each request's best expected survivals, with no
+        drafting cost: the most this round's drafts could bring, from past rounds. Under load it
+        brings too little, and nothing is drafted at all, not even the suffix lookup asked for
+        its draft, so the load pays no drafting. (An upper bound up to the prefixes' share of
+        each row, which differs between requests: a gate, not the decision.)"""
+        B = len(batch)
+        if B == 0:
+            return False
+        contexts = slot_contexts(batch)
+        best_case = [self._best_expected(slot)[: max(0, slot.limit)] for slot in batch]
+        _, rate = self._admission(B, best_case, past_dips=True, contexts=contexts)
+        return rate > B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain)
+
+    def skip_round(self, batch: Sequence[DraftSlot]) -> None:
+        for slot in batch:
+            self.idle[slot.request_id] = self.idle.get(slot.request_id, 0) + 1
+        self.last = Decision(len(batch), (0,) * len(batch), 1.0)
+        self._relax_draft_cost()
+
+    def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
+        B = len(batch)
+        if B == 0:
+            return []
+        survivals, costs = [], []
+        for slot in batch:
+            retry = self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS
+            expected = self.expected.get(slot.request_id, {}).get(slot.source) or self._global(slot.source)
+            survivals.append(([1.0] * self.k_max if retry else expected)[: max(0, slot.limit)])
+            # A lookup's draft is a trie walk: it costs no drafting worth pricing. A head's costs
+            # a round, plus catching up on the rows it has not seen (its backlog).
+            costs.append(0.0 if slot.source == "lookup"
+                         else self.draft_seconds_per_unit + slot.backlog * self.catch_up_per_row)
+        contexts = slot_contexts(batch)
+        lengths, rate = self._admission(B, survivals, costs, past_dips=True, contexts=contexts)
+        if rate <= B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain):
+            lengths = [0] * B
+        # A request that may draft drafts its whole block: the drafter's cost is per round.
+        ks = [min(slot.limit, self.k_max) if n else 0 for slot, n in zip(batch, lengths)]
+        for slot, k in zip(batch, ks):
+            self.idle[slot.request_id] = 0 if k else self.idle.get(slot.request_id, 0) + 1
+            self.sources[slot.request_id] = slot.source
+        if not any(ks):
+            self._relax_draft_cost()
+        return ks
+
+    def admit(self, request_ids: Sequence[str], drafts: Sequence[Draft], batch: int,
+              contexts: Sequence[int] | None = None) -> list[Draft]:
+        survivals = []
+        for rid, d in zip(request_ids, drafts):
+            if d.is_tree or d.confidence is None:
+                raise ValueError("the confidence scheduler needs chain drafts with confidences (dspark, dflash)")
+            survivals.append(d.survival())
+            # A request's first draft from a source replaces the server-wide guess it started
+            # from; later ones average in.
+            source = self.sources.get(rid, "")
+            shared = self._global(source)
+            per_source = self.expected.setdefault(rid, {})
+            weight = REQUEST_EMA if source in per_source else 1.0
+            mine = per_source.setdefault(source, list(shared))
+            for j, a in enumerate(survivals[-1]):
+                mine[j] += weight * (a - mine[j])
+                shared[j] += GLOBAL_EMA * (a - shared[j])
+        # Running requests without a draft are the rest of the batch: one row, one token each.
+        lengths, predicted = self._admission(batch, survivals, contexts=contexts)
+        self.last = Decision(batch, tuple(lengths), predicted * self.seconds([1] * batch, contexts) / batch)
+        return [d.truncated(n) for d, n in zip(drafts, lengths)]
+
+    def _admission(self, batch: int, survivals: Sequence[Sequence[float]], draft_seconds: Sequence[float] | None = None,
+                   past_dips: bool = False, contexts: Sequence[int] | None = None) -> tuple[list[int], float]:
+        """Admitted prefix lengths of the first len(survivals) requests of a batch of `batch`
+        (the others verify one row and commit one token; `contexts`: every request's tokens
+        before the round, in that order, or None), and their predicted committed tokens per
+        second: pairs in descending survival, stopping at the first drop (past_dips: the best
+        prefix of that order instead, for decisions taken before anything is drawn).
+        draft_seconds: per request, what its drafting costs once it gets a pair (None: drafting
+        is sunk)."""
+        order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
+                       key=lambda t: (-t[0], t[1], t[2]))
+        lengths = [0] * len(survivals)
+        rows = [1] * batch  # each request's verified rows: 1 + its admitted length
+        committed, drafting = float(batch), 0.0
+        # What the prefixes add, kept up to date a row at a time (each row reads its request's keys).
+        profile = self.curve.profile
+        prefixes = profile.context_seconds(rows, contexts)
+        row_share = [(c - profile.context) * profile.per_key_row for c in contexts] if contexts is not None else None
+        memo: dict[int, float] = {}
+        best = committed / self._priced(rows, prefixes, memo)
+        best_lengths = list(lengths)
+        for a, j, r in order:
+            # this request's first pair also pays its drafting
+            cost = draft_seconds[r] if draft_seconds is not None and lengths[r] == 0 else 0.0
+            rows[r] += 1
+            share = row_share[r] if row_share is not None else 0.0
+            rate = (committed + a) / (self._priced(rows, prefixes + share, memo) + drafting + cost)
+            if rate <= best and not past_dips:
+                break
+            lengths[r] += 1
+            committed += a
+            drafting += cost
+            prefixes += share
+            if rate > best:
+                best, best_lengths = rate, list(lengths)
+        return best_lengths, best
+
+    def observe_draft_time(self, seconds: float, tokens: int) -> None:
+        """Seconds per drafting request: the first measurement as it is (an estimate of 0 would
+        make the first rounds' drafting look free), then a moving average."""
+        if tokens > 0:
+            per_request = seconds / tokens
+            if not self.draft_rounds:
+                self.draft_seconds_per_unit = per_request
+            self.draft_seconds_per_unit += 0.2 * (per_request - self.draft_seconds_per_unit)
+            self._measured_draft(per_request)
+
+    def observe_catch_up(self, seconds: float, rows: int, units: int) -> None:
+        if rows > 0:
+            per_row = max(0.0, seconds - units * self.draft_seconds_per_unit) / rows
+            self.catch_up_per_row += (1.0 if self.catch_up_per_row == 0.0 else 0.2) * (per_row - self.catch_up_per_row)
+
+    def release(self, request_id: str) -> None:
+        self.expected.pop(request_id, None)
+        self.idle.pop(request_id, None)
+        self.sources.pop(request_id, None)
