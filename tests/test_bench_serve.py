@@ -93,6 +93,21 @@ def test_url_flag_is_checked():
         _parse_url("turbo=http://x/v1")
     with pytest.raises(ValueError, match="MODE=URL"):
         _parse_url("off=ftp://x")
+    # a mode's own options hold '=' too
+    assert _parse_url("adaptive:suffix@corpus=0=http://x/v1") == ("adaptive:suffix@corpus=0", "http://x/v1")
+
+
+def test_alternating_slices_give_every_mode_every_prompt(servers):
+    from tandem.bench.serve import run_sweep, slice_count
+
+    assert slice_count(12, 3, 8) == 4 and slice_count(12, 3, 1) == 1 and slice_count(2, 3, 5) == 1
+    prompts = ["count: 1 2 3 1 2 3", "say hi", "abcabcabc", "one two one two", "xyzxyz", "hello hello"]
+    report = run_sweep({m: servers[m] for m in ("fixed", "off")}, "tiny", prompts, [2], requests_per_user=3,
+                       max_tokens=16, alternations=3)
+    assert report["alternations"] == 3
+    for r in report["levels"]["2"].values():
+        assert r["num_requests"] == 6 and r["errors"] == 0 and r["wall_seconds"] > 0
+    assert report["identity"]["fixed"] == {"compared": 6, "mismatches": 0}
 
 
 def test_a_mode_names_its_policy_and_may_name_its_drafter():

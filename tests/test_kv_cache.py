@@ -1,5 +1,6 @@
 """KVCache.keep: a chain's accepted prefix is a truncation, a tree's accepted path a gather."""
 
+import pytest
 import torch
 
 from conftest import tiny_loaded
@@ -39,3 +40,35 @@ def test_hidden_rows_accumulate_until_taken():
     taken = rows.take()
     assert taken[2].shape == (3, 4) and taken[2][0].sum() == 4
     assert rows.take() == {}
+
+
+def test_hidden_rows_take_a_forwards_rows_by_slice_or_index_and_grow_without_moving_taken_rows():
+    rows = HiddenRows()
+    stacked = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)  # layers (1, 5), 6 rows
+    rows.add_stacked((1, 5), stacked, slice(1, 3))
+    rows.add_stacked((1, 5), stacked, [5, 0])
+    assert len(rows) == 4
+    first = rows.take()
+    assert torch.equal(first[1], stacked[0, [1, 2, 5, 0]]) and torch.equal(first[5], stacked[1, [1, 2, 5, 0]])
+    kept = first[5].clone()
+    for _ in range(40):  # past the buffer's capacity: it grows into a new one
+        rows.add_stacked((1, 5), stacked, slice(0, 6))
+    assert len(rows) == 240 and torch.equal(first[5], kept)  # what take returned is untouched
+    later = rows.take()
+    assert torch.equal(later[1][-6:], stacked[0]) and len(rows) == 0
+    with pytest.raises(ValueError, match="layers"):
+        rows.add_stacked((1, 7), stacked, slice(0, 1))
+    with pytest.raises(ValueError, match="keep_all"):
+        rows.first(2)
+
+
+def test_hidden_rows_keep_all_keeps_taken_rows_for_the_prefix_cache():
+    rows = HiddenRows(keep_all=True)
+    rows.add({3: torch.ones(2, 4)})
+    rows.take()
+    for i in range(30):
+        rows.add({3: torch.full((1, 4), float(i))})
+    assert len(rows) == 30
+    everything = rows.first(100)[3]
+    assert everything.shape == (32, 4) and everything[:2].eq(1).all() and everything[-1].eq(29).all()
+    assert rows.first(2)[3].eq(1).all()

@@ -31,6 +31,10 @@ def _serve_words(page: Page, rel: str, data: dict, modes: list[str], plot_rel: s
               "--num-prompts", str(data.get("num_prompts"))]
     if data.get("categories"):
         words += ["--categories", *data["categories"]]
+    if (data.get("alternations") or 1) > 1:
+        words += ["--alternations", str(data["alternations"])]
+    if data.get("note"):
+        words += ["--note", data["note"]]
     return words + ["--out", page.shown(rel), "--plot", page.png_arg(plot_rel)]
 
 
@@ -75,6 +79,8 @@ def serve_section(page: Page, rel: str, data: dict) -> list[str]:
     lines += bash_block([shell_line(words)])
     if given:
         lines.append(f"(modes {', '.join(given)} ran on servers given with `--url`)")
+    if data.get("note"):
+        lines += ["", f"Note: {data['note']}"]
     lines += ["", machine_line(rel, data.get("machine")), ""]
     ref = "off" if "off" in modes else modes[0] if modes else None
     lines += _level_table(data, modes, ref)

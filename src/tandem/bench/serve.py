@@ -59,7 +59,7 @@ def mode_flags(mode: str) -> list[str]:
     for option in options:
         key, _, value = option.partition("=")
         if key not in MODE_OPTIONS or value not in ("0", "1"):
-            raise ValueError(f"bad option {option!r} in mode {mode!r}; use @corpus=0|1 or @lookup=0|1")
+            raise ValueError(f"bad option {option!r} in mode {mode!r}; use @OPTION=0|1 with OPTION in {MODE_OPTIONS}")
         flags.append(f"--{'' if value == '1' else 'no-'}speculative-{key}")
     return flags
 
@@ -177,9 +177,42 @@ def summarize(mode: str, concurrency: int, wall: float, results: list[RequestRes
     )
 
 
+def slice_count(requests: int, concurrency: int, alternations: int) -> int:
+    """How many slices run_alternating cuts a level into: at most one per `concurrency` requests."""
+    return max(1, min(alternations, requests // max(1, concurrency)))
+
+
+def run_alternating(urls: dict[str, str], model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                    alternations: int, progress=None) -> dict[str, tuple[float, list[RequestResult]]]:
+    """One level's requests in `alternations` consecutive slices (each at least `concurrency`
+    requests), every mode running each slice in turn, the first mode rotating from slice to
+    slice: on a shared machine whose speed drifts over seconds, every mode then meets the same
+    drift. Per mode: the slices' summed wall seconds and all their results. progress(mode) is
+    called after each run of a slice."""
+    n = len(prompts)
+    slices = slice_count(n, concurrency, alternations)
+    bounds = [n * j // slices for j in range(slices + 1)]
+    modes = list(urls)
+    totals: dict[str, tuple[float, list[RequestResult]]] = {m: (0.0, []) for m in modes}
+    for j in range(slices):
+        start, end = bounds[j], bounds[j + 1]
+        for mode in modes[j % len(modes):] + modes[: j % len(modes)]:
+            wall, results = asyncio.run(run_level(urls[mode], model, prompts[start:end], concurrency, end - start,
+                                                  max_tokens))
+            for r in results:
+                r.prompt_index += start
+            total, kept = totals[mode]
+            totals[mode] = (total + wall, kept + results)
+            if progress is not None:
+                progress(mode)
+    return totals
+
+
 def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencies: list[int],
-              requests_per_user: int, max_tokens: int, min_requests: int = 4, save=None) -> dict:
-    """Sweep every concurrency, modes in turn; returns the report (levels, identity, settings).
+              requests_per_user: int, max_tokens: int, min_requests: int = 4, save=None,
+              alternations: int = 1) -> dict:
+    """Sweep every concurrency, modes in turn (alternating over slices of each level's requests
+    when `alternations` > 1: run_alternating); returns the report (levels, identity, settings).
     `save(report)` is called after each concurrency, so an interrupted sweep keeps what it measured."""
     levels: dict[int, dict[str, LevelResult]] = {}
     texts: dict[str, dict[tuple[int, int], str]] = {m: {} for m in urls}
@@ -194,6 +227,7 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
         return {
             "model": model, "modes": list(urls), "concurrency": concurrencies,
             "requests_per_user": requests_per_user, "max_tokens": max_tokens, "num_prompts": len(prompts),
+            "alternations": alternations,
             "definitions": SPEEDUP_DEFINITION,
             "levels": {str(c): {m: asdict(r) for m, r in per.items()} for c, per in levels.items()},
             "identity": identity,
@@ -203,19 +237,23 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
     if sum(sizes) > len(prompts):
         print(f"note: {sum(sizes)} requests over {len(prompts)} prompts: prompts repeat across levels, and a "
               "drafter that remembers earlier answers (suffix) will look better than it is", flush=True)
-    steps = tqdm(total=len(concurrencies) * len(urls), desc="bench serve", unit="run")
+    steps = tqdm(total=sum(slice_count(n, c, alternations) for c, n in zip(concurrencies, sizes)) * len(urls),
+                 desc="bench serve", unit="run")
     offset = 0
     for c, n in zip(concurrencies, sizes):
         # Each level takes fresh prompts (all modes the same ones), so no level replays another's.
         level_prompts = [prompts[(offset + i) % len(prompts)] for i in range(n)]
         offset += n
         levels[c] = {}
-        for mode, url in urls.items():
+
+        def ran(mode: str, c=c) -> None:
             steps.set_postfix_str(f"concurrency {c}, {mode}")
-            wall, results = asyncio.run(run_level(url, model, level_prompts, c, n, max_tokens))
+            steps.update()
+
+        runs = run_alternating(urls, model, level_prompts, c, max_tokens, alternations, progress=ran)
+        for mode, (wall, results) in runs.items():
             levels[c][mode] = summarize(mode, c, wall, results)
             texts[mode].update({(c, r.prompt_index): r.text for r in results if r.error is None})
-            steps.update()
         base = levels[c].get("off")
         for res in levels[c].values():
             if base is not None and base.throughput:
@@ -329,7 +367,7 @@ def bench_serve(args) -> dict:
         for url in urls.values():  # warm-up: first-request costs off the clock (not a sweep prompt)
             asyncio.run(run_level(url, model, [WARMUP_PROMPT], 1, 1, 8))
         machine = {**machine_info(), "torch_threads": args.threads or os.cpu_count()}  # the servers' threads
-        settings = {"algorithm": args.algorithm, "num_draft_tokens": args.num_draft_tokens,
+        settings = {"algorithm": args.algorithm, "num_draft_tokens": args.num_draft_tokens, "note": args.note,
                     "max_running_requests": args.max_running_requests, "categories": args.categories,
                     "launched": [m for m in urls if m not in given], "threads": args.threads, "machine": machine}
 
@@ -339,7 +377,7 @@ def bench_serve(args) -> dict:
                 Path(args.out).write_text(json.dumps({**report, **settings}, indent=2))
 
         report = {**run_sweep(urls, model, prompts, args.concurrency, args.requests_per_user, args.max_tokens,
-                              save=save), **settings}
+                              save=save, alternations=args.alternations), **settings}
     finally:
         for proc in procs:
             stop_server(proc)
@@ -359,10 +397,10 @@ def _exit_on_signal(signum, frame):
 
 
 def _parse_url(spec: str) -> tuple[str, str]:
-    mode, sep, url = spec.partition("=")
-    if not sep or not url.startswith("http"):
+    mode, sep, rest = spec.partition("=http")  # a mode may hold '=' itself (`adaptive:suffix@corpus=0`)
+    if not sep:
         raise ValueError(f"--url takes MODE=URL with URL like http://host:port/v1, got {spec!r}")
-    return checked_mode(mode), url.rstrip("/")
+    return checked_mode(mode), ("http" + rest).rstrip("/")
 
 
 def add_serve_bench_parser(kinds) -> None:
@@ -384,7 +422,12 @@ def add_serve_bench_parser(kinds) -> None:
                    help="Spec-Bench subtasks to draw from (multi_turn translation summarization qa math_reasoning rag)")
     p.add_argument("--prompts-file", default=None, help="your own prompts (.jsonl or one per line)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--alternations", type=int, default=1,
+                   help="split each level's requests into this many slices and run the modes in turn on each "
+                        "(rotating which goes first): on a noisy machine every mode then sees the same drift")
     p.add_argument("--max-running-requests", type=int, default=32, help="launched servers' running slots")
+    p.add_argument("--note", default=None,
+                   help="what the report should say about this run (e.g. which build a --url server runs)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--reprofile", action="store_true", help="re-measure the adaptive server's cost curve")

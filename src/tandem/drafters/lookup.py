@@ -169,7 +169,7 @@ class LookupFirst:
     def waiting_rows(self, request_id: str) -> int:
         """Hidden rows of the request's lookup rounds that its head would catch up on first."""
         pieces, _ = self.pending.get(request_id, ([], None))
-        return sum(len(p[self.layers[0]]) for p in pieces)
+        return sum(p[self.layers[0]].shape[0] for p in pieces)
 
     def with_pending(self, inp: DraftInput) -> DraftInput:
         """inp with the rows waiting from earlier lookup rounds put before its own, when they end

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from tandem.config import EngineConfig, SamplingParams
 from tandem.engine.prefix_cache import CachedRow, PrefixCache, longest_shared_prefix
 from tandem.engine.request import HiddenRows, Request
@@ -60,14 +58,6 @@ class Admission:
             admitted.append(req)
         return admitted
 
-    def add_hidden(self, req: Request, rows: dict[int, torch.Tensor]) -> None:
-        """Hidden rows of tokens just written to the cache: for the drafter, and for the prefix
-        cache when it keeps them."""
-        if not rows:
-            return
-        req.pending_hidden.add(rows)
-        if self.prefix_cache is not None:
-            req.hidden_log.add(rows)
 
     def share_live_prefixes(self, starting: list[Request], running: list[Request], prefilling: list[Request]) -> None:
         """Before its prompt's first forward, each starting request copies the longest prefix of
@@ -89,8 +79,8 @@ class Admission:
             self.cache.copy_prefix(best.seq, req.seq, best_len)
             self.prefix_cache.record_shared(best_len - req.prefilled)
             req.prefilled = best_len
-            req.pending_hidden, req.hidden_log = HiddenRows(), HiddenRows()
-            self.add_hidden(req, best.hidden_log.first(best_len))
+            req.hidden = HiddenRows(keep_all=True)
+            req.hidden.add(best.hidden.first(best_len))
 
     def release(self, req: Request) -> None:
         """A finished request gives back its reservation, and its row is kept for prefix reuse
@@ -102,8 +92,7 @@ class Admission:
             self.cache.release(req.seq)
         else:
             self.cache.truncate(req.seq, held)
-            hidden = {layer: rows[:held] for layer, rows in req.hidden_log.take().items()}
-            self.prefix_cache.add(CachedRow(req.seq, req.context[:held], hidden))
+            self.prefix_cache.add(CachedRow(req.seq, req.context[:held], req.hidden.first(held)))
         req.seq = None
 
     def _place(self, req: Request, need: int) -> bool:
@@ -123,11 +112,12 @@ class Admission:
             self.cache.truncate(req.seq, hit)
         else:
             return False
+        req.hidden = HiddenRows(keep_all=self.prefix_cache is not None)
         if self.prefix_cache is not None:
             self.prefix_cache.record(len(req.prompt_ids), hit, row)
         if hit:
             req.prefilled = hit
-            self.add_hidden(req, {layer: rows[:hit] for layer, rows in row.hidden.items()})
+            req.hidden.add({layer: rows[:hit] for layer, rows in row.hidden.items()})
         return True
 
     def _fits(self, need: int) -> bool:

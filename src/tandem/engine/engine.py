@@ -174,7 +174,7 @@ class Engine:
             b = first + i
             req.prefilled = end
             req.prefill_started = True
-            self.admission.add_hidden(req, {layer: h[b] for layer, h in out.hidden.items()})
+            req.hidden.add_stacked(out.hidden_layers, out.stacked_hidden, slice(out.bounds[b], out.bounds[b + 1]))
             if end < len(req.prompt_ids):
                 continue
             self.prefilling.remove(req)
@@ -204,7 +204,7 @@ class Engine:
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
-            update, counted = self._commit_round(req, draft, committed, path, {li: h[b] for li, h in out.hidden.items()})
+            update, counted = self._commit_round(req, draft, committed, path, out, out.bounds[b])
             updates.append(update)
             outcomes.append(DraftOutcome(req.request_id, counted.drafted, counted.accepted, update.new_token_ids))
         # A forward that also prefilled prompt rows (no LM head, other contexts) is not a sample
@@ -228,12 +228,18 @@ class Engine:
         return out, self.runner.verify_rows([len(i.token_ids) for i in inputs])
 
     def _commit_round(self, req: Request, draft: Draft, committed: list[int], path: list[int],
-                      hidden: dict[int, torch.Tensor]) -> tuple[StepUpdate, RoundCounts]:
+                      out: ForwardOutput, first_row: int) -> tuple[StepUpdate, RoundCounts]:
         """Keep the KV and hidden rows of next_token + the accepted drafts (the recovered/bonus
-        token is the next input), then append the committed tokens."""
+        token is the next input; the request's rows of the forward start at `first_row`), then
+        append the committed tokens."""
         kept_rows = [0] + [node + 1 for node in path]
         self.cache.keep(req.seq, kept_rows)
-        self.admission.add_hidden(req, {layer: h[kept_rows] for layer, h in hidden.items()})
+        if out.stacked_hidden is not None:
+            # A chain keeps a leading run of rows: a slice; a tree's path: indices.
+            leading = kept_rows[-1] == len(kept_rows) - 1
+            req.hidden.add_stacked(out.hidden_layers, out.stacked_hidden,
+                                   slice(first_row, first_row + len(kept_rows)) if leading
+                                   else [first_row + r for r in kept_rows])
         update, counted = self._commit(req, committed, RoundCounts.of(draft, len(path)), round_origins(draft, path))
         if self.policy is not None:
             self.policy.observe(req.request_id, counted.depth, counted.accepted)
@@ -252,7 +258,7 @@ class Engine:
             return [Draft.empty() for _ in batch]
         # The policy decides every length before anything is drafted (non-anticipation).
         slots = [DraftSlot(r.request_id, self._draft_budget(r), context=c,
-                           backlog=len(r.pending_hidden) + self.drafter.waiting_rows(r.request_id))
+                           backlog=len(r.hidden) + self.drafter.waiting_rows(r.request_id))
                  for r, c in zip(batch, contexts)]
         if not self.policy.may_pay(slots):  # nothing could pay: no drafter is asked anything
             self.policy.skip_round(slots)
@@ -267,7 +273,7 @@ class Engine:
                 rows.append(i)
                 inputs.append(
                     DraftInput(req.request_id, req.context, len(req.prompt_ids), k, req.params,
-                               req.generator_on(self.drafter.sampling_device), req.pending_hidden.take())
+                               req.generator_on(self.drafter.sampling_device), req.hidden.take())
                 )
         drafts = [Draft.empty() for _ in batch]
         t0 = time.perf_counter()

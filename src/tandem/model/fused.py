@@ -96,14 +96,18 @@ class FusedDecoder:
                                    norm_weight=self._final_norm, eps=self.shape.eps)
 
     def forward(self, tokens: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cache,
-                hidden_layers: tuple[int, ...], tree: TreeKeys | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                hidden_layers: tuple[int, ...], tree: TreeKeys | None = None
+                ) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor | None]:
         """tokens, seq, slot: int64 [N] (token t goes to cache row seq[t] at slot[t]; a sequence's
         tokens are consecutive and in order); tree: what tree nodes attend to (kernels.TreeKeys).
-        Returns the last layer's output [N, H] (before the final norm) and the requested layers'
-        outputs."""
+        Returns the last layer's output [N, H] (before the final norm), the requested layers in
+        order and their outputs as one [layers, N, H] tensor (None when none was requested). The
+        final layer's slot (layer L) is left for the caller, who norms x into it."""
         model = self.model
         x = model.embed_tokens(tokens).float().contiguous()
         L = model.cfg.num_layers
-        hidden = {li: torch.empty_like(x) for li in hidden_layers if li < L}
-        self.kernels.decoder(self._layers, x, seq, slot, tree, cache.k, cache.v, self.shape, hidden)
-        return x, hidden
+        layers = tuple(sorted(set(li for li in hidden_layers if li <= L)))
+        stacked = x.new_empty((len(layers), *x.shape)) if layers else None
+        inner = {li: stacked[i] for i, li in enumerate(layers) if li < L}
+        self.kernels.decoder(self._layers, x, seq, slot, tree, cache.k, cache.v, self.shape, inner)
+        return x, layers, stacked

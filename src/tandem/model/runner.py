@@ -6,6 +6,8 @@ new tokens need logits and which layers' hidden states it wants; nothing is impl
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,15 +47,39 @@ class SeqInput:
 @dataclass
 class ForwardOutput:
     """logits: [N, V] fp32, the requested rows sequence by sequence; rows of sequence b are
-    logits[offsets[b]:offsets[b+1]]. hidden[layer][b]: [T_b, H] hidden states of sequence b's
-    new tokens (layer L = final normed hidden state)."""
+    logits[offsets[b]:offsets[b+1]]. stacked_hidden: [len(hidden_layers), R, H], the hidden
+    states of every sequence's new tokens in input order for the requested layers (layer L = the
+    final normed hidden state), sequence b's in rows bounds[b]:bounds[b+1]; flat_hidden[layer]:
+    one layer's [R, H]; hidden[layer][b]: sequence b's [T_b, H] (views, made on first use: a
+    caller keeping a few rows of every sequence indexes stacked_hidden instead, since a view per
+    sequence and layer costs more than the rows)."""
 
     logits: torch.Tensor
     offsets: list[int]
-    hidden: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    hidden_layers: tuple[int, ...] = ()
+    stacked_hidden: torch.Tensor | None = None
+    bounds: list[int] = field(default_factory=lambda: [0])
 
     def rows(self, b: int) -> torch.Tensor:
         return self.logits[self.offsets[b] : self.offsets[b + 1]]
+
+    @functools.cached_property
+    def flat_hidden(self) -> dict[int, torch.Tensor]:
+        if self.stacked_hidden is None:
+            return {}
+        return {layer: self.stacked_hidden[i] for i, layer in enumerate(self.hidden_layers)}
+
+    @functools.cached_property
+    def hidden(self) -> dict[int, list[torch.Tensor]]:
+        spans = list(zip(self.bounds, self.bounds[1:]))
+        return {li: [h[a:b] for a, b in spans] for li, h in self.flat_hidden.items()}
+
+
+def _stacked(by_layer: dict[int, torch.Tensor]) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """Per-layer [R, H] rows as (their layers, one [layers, R, H] tensor)."""
+    if not by_layer:
+        return (), None
+    return tuple(by_layer), torch.stack(list(by_layer.values()))
 
 
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:
@@ -66,6 +92,11 @@ def ancestor_matrix(parents: list[int]) -> torch.Tensor:
         if p >= 0:
             anc[t] |= anc[p]
     return anc
+
+
+def _bounds(lengths: list[int]) -> list[int]:
+    """Where each sequence's rows start in a forward's flat rows, and where the last ends."""
+    return list(itertools.accumulate(lengths, initial=0))
 
 
 def _pack_calls(inputs: list[SeqInput], budget: int) -> list[list[tuple[int, SeqInput]]]:
@@ -161,11 +192,16 @@ class ModelRunner:
             raise
         x = model.embed_tokens(tokens)
         L = model.cfg.num_layers
-        hidden: dict[int, list[torch.Tensor]] = {}
+        lens = [len(inp.token_ids) for inp in inputs]
+
+        def unpadded(h: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> the real rows [sum lens, H]
+            return h.reshape(B * T, -1) if min(lens) == T else torch.cat([h[b, :n] for b, n in enumerate(lens)])
+
+        hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(model.layers):
             x = layer(x, plan, cache.layers[li])
             if li in hidden_layers:
-                hidden[li] = [x[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
+                hidden[li] = unpadded(x)
         rows, offsets = [], [0]
         for b, inp in enumerate(inputs):
             idx = inp.logit_indices()
@@ -173,9 +209,8 @@ class ModelRunner:
             offsets.append(offsets[-1] + len(idx))
         flat = x.reshape(B * T, -1)
         if L in hidden_layers:
-            normed = model.norm(x)
-            hidden[L] = [normed[b, : len(inp.token_ids)] for b, inp in enumerate(inputs)]
-        return ForwardOutput(self._logits(flat, rows), offsets, hidden)
+            hidden[L] = unpadded(model.norm(x))
+        return ForwardOutput(self._logits(flat, rows), offsets, *_stacked(hidden), _bounds(lens))
 
     def _logits(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of the rows of x the inputs asked for ([0, V] when none did: a prompt chunk)."""
@@ -195,18 +230,20 @@ class ModelRunner:
         if sum(len(i.token_ids) for i in inputs) <= FUSED_ROW_BUDGET:
             return self._fused_call(inputs, hidden_layers)
         logits: list[list[torch.Tensor]] = [[] for _ in inputs]
-        hidden: dict[int, list[list[torch.Tensor]]] = {}
+        outs = []
         for call in _pack_calls(inputs, FUSED_ROW_BUDGET):
             out = self._fused_call([piece for _, piece in call], hidden_layers)
+            outs.append(out)
             for j, (b, _) in enumerate(call):
                 logits[b].append(out.rows(j))
-                for li, rows in out.hidden.items():
-                    hidden.setdefault(li, [[] for _ in inputs])[b].append(rows[j])
         offsets = [0]
         for rows in logits:
             offsets.append(offsets[-1] + sum(r.shape[0] for r in rows))
-        return ForwardOutput(torch.cat([r for rows in logits for r in rows]), offsets,
-                             {li: [torch.cat(parts) for parts in per_seq] for li, per_seq in hidden.items()})
+        # The calls hold the inputs' rows in input order (a chain continues at the start of the
+        # next call), so their rows one after another are every sequence's in order.
+        stacked = torch.cat([o.stacked_hidden for o in outs], dim=1) if outs[0].stacked_hidden is not None else None
+        return ForwardOutput(torch.cat([r for rows in logits for r in rows]), offsets, outs[0].hidden_layers,
+                             stacked, _bounds([len(i.token_ids) for i in inputs]))
 
     def _fused_call(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
         """One native call over flat rows, one attention per token."""
@@ -241,14 +278,13 @@ class ModelRunner:
         tree = None
         if trees:
             tree = TreeKeys(torch.tensor(pos), torch.tensor(his), torch.tensor(key_off), torch.tensor(keys, dtype=torch.long))
-        x, by_layer = self.fused.forward(
+        x, layers, stacked = self.fused.forward(
             torch.tensor(tokens), torch.tensor(seqs), torch.tensor(slots), cache, hidden_layers, tree
         )
         L = model.cfg.num_layers
-        if L in hidden_layers:
-            by_layer[L] = model.norm(x)
-        hidden = {li: [h[bounds[b] : bounds[b + 1]] for b in range(len(inputs))] for li, h in by_layer.items()}
-        return ForwardOutput(self._logits(x, rows), offsets, hidden)
+        if L in layers:
+            stacked[layers.index(L)] = model.norm(x)
+        return ForwardOutput(self._logits(x, rows), offsets, layers, stacked, bounds)
 
     def _plan(self, inputs: list[SeqInput], starts: list[int], T: int, token_by_token: bool):
         cache, device = self.cache, self.device
