@@ -273,3 +273,46 @@ def test_a_context_that_changes_under_the_same_id_rebuilds_the_trie():
     assert ask(drafter, [1, 2, 3, 4, 1, 2]) == [3, 4]
     assert ask(drafter, [1, 8, 9, 1]) == [8]
     assert ask(drafter, [1, 8, 9, 1]) == ask(make(k=3), [1, 8, 9, 1])
+
+
+def test_the_match_bound_from_the_last_draft_changes_no_draft():
+    """Each trie's match is searched only up to its match at the request's last draft plus the
+    tokens appended since (while no stream was added to or removed from that trie): the drafts and
+    their evidence equal those of a full search, through releases that grow and evict the global
+    trie."""
+    rng = random.Random(5)
+    bounded, full = make(4, max_global_tokens=60), make(4, max_global_tokens=60)
+    full._match_bound = lambda *args: None
+    used = []
+    real_bound = SuffixDrafter._match_bound
+
+    def spying(req, which, trie, inp):
+        bound = real_bound(req, which, trie, inp)
+        used.append(bound is not None and bound < min(bounded.max_match_len, len(inp.token_ids), trie.max_depth - 1))
+        return bound
+
+    bounded._match_bound = spying
+    contexts = {f"r{i}": [rng.randrange(4) for _ in range(rng.randint(2, 8))] for i in range(3)}
+    for step in range(300):
+        rid = rng.choice(sorted(contexts))
+        budget = rng.randint(1, 5)
+        assert ask(bounded, contexts[rid], rid, budget=budget) == ask(full, contexts[rid], rid, budget=budget), step
+        assert bounded.evidence.get(rid) == full.evidence.get(rid)
+        committed = [rng.randrange(4) for _ in range(rng.randint(1, 4))]
+        for d in (bounded, full):
+            d.observe([DraftOutcome(rid, budget, 0, committed)])
+        contexts[rid] = contexts[rid] + committed
+        if rng.random() < 0.05:  # a request ends: its output joins the global trie (and may evict)
+            for d in (bounded, full):
+                d.release(rid)
+            contexts[rid] = [rng.randrange(4) for _ in range(rng.randint(2, 8))]
+    assert sum(used) > 100  # the bound did cut searches short
+
+
+def test_a_stream_added_to_the_global_trie_lifts_the_match_bound():
+    drafter = make(4)
+    context = [50, 51, 7, 8, 9]
+    assert ask(drafter, context, "a") == []  # nothing anywhere matches yet
+    serve(drafter, "b", [1], [5, 6, 7, 8, 9, 10, 11, 12])  # b's answer joins the global trie
+    # a's tail 7 8 9 now matches there, 3 tokens more than its last match + 0 tokens appended
+    assert ask(drafter, context, "a") == [10, 11, 12]

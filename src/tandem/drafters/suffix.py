@@ -9,7 +9,7 @@ estimated probability stays above a floor, and keeps the best-scoring of the dra
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.config import SpecConfig
 from tandem.drafters.base import Drafter, DraftInput, DraftOutcome, TargetInfo, register
@@ -27,6 +27,9 @@ class _Request:
     trie: SuffixTrie
     stream: TrieStream
     num_prompt_tokens: int
+    # Per trie (OWN_TRIE, ...): (context length, match length, the trie's version) at the last
+    # match, which bounds the next one (SuffixTrie.longest_match's at_most).
+    last_match: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @register("suffix")
@@ -125,7 +128,8 @@ class SuffixDrafter(Drafter):
         for which, trie in ((OWN_TRIE, req.trie), (GLOBAL_TRIE, self.global_trie), (CORPUS_TRIE, self.corpus_trie)):
             if trie is None:
                 continue
-            cursor, m = trie.longest_match(inp.token_ids, self.max_match_len)
+            cursor, m = trie.longest_match(inp.token_ids, self.max_match_len, self._match_bound(req, which, trie, inp))
+            req.last_match[which] = (len(inp.token_ids), m, trie.version)
             budget = min(k, int(m * self.spec_factor + self.spec_offset))
             if cursor is None or budget < 1:
                 continue
@@ -136,6 +140,16 @@ class SuffixDrafter(Drafter):
         if not best:
             self.evidence.pop(inp.request_id, None)
         return Draft(token_ids=best)
+
+    @staticmethod
+    def _match_bound(req: _Request, which: int, trie: SuffixTrie, inp: DraftInput) -> int | None:
+        """The most this trie can match now, from its match at the request's last draft: that
+        match plus the tokens appended since, if the trie has not gained or lost a stream since
+        (the request's own trie only grows along the request's own context); None otherwise."""
+        last = req.last_match.get(which)
+        if last is None or last[2] != trie.version or len(inp.token_ids) < last[0]:
+            return None
+        return last[1] + len(inp.token_ids) - last[0]
 
     def _synced(self, inp: DraftInput) -> _Request:
         """The request's trie brought up to `token_ids` (the source of truth for the context).

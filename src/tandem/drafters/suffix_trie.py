@@ -57,6 +57,9 @@ class SuffixTrie:
         self.root.count = 0
         self.num_nodes = 1
         self.num_tokens = 0
+        # Counts whole streams added or removed (`extend` only appends to a stream): a match bound
+        # from an earlier call (longest_match's at_most) holds while it stays the same.
+        self.version = 0
         # A frozen trie (a corpus: only read once built) remembers each node's most frequent child
         # and its children's total count the first time a draft passes, instead of rescanning
         # children that can number thousands near the root.
@@ -107,11 +110,13 @@ class SuffixTrie:
         stream = self.open()
         self.extend(stream, tokens)
         stream.frontier = None
+        self.version += 1
         return stream
 
     def remove(self, stream: TrieStream) -> None:
         """Take every suffix of `stream` out again, dropping nodes no other suffix uses."""
         self._check_open()
+        self.version += 1
         toks = stream.tokens
         for start in range(len(toks)):
             self.root.count -= 1
@@ -137,13 +142,17 @@ class SuffixTrie:
         node, j = cursor
         return 1 if j else node.count
 
-    def longest_match(self, context: list[int], max_len: int) -> tuple[_Cursor | None, int]:
+    def longest_match(self, context: list[int], max_len: int, at_most: int | None = None) -> tuple[_Cursor | None, int]:
         """The longest tail of `context` (<= max_len) seen before with a continuation, and its length.
 
         A suffix of a string with a continuation has one too, so the property is monotone in the
-        length and a binary search finds the longest in O(max_len log max_len).
+        length and a binary search finds the longest in O(max_len log max_len). at_most: a bound
+        the caller knows: the match of a context it extended by c tokens since an earlier call
+        (same `version`, or its own stream grown by `extend`) is at most that call's match + c,
+        because the new tail's first length - c tokens then matched with a continuation.
         """
-        lo, hi, best = 0, min(max_len, len(context), self.max_depth - 1), None
+        hi = min(max_len, len(context), self.max_depth - 1)
+        lo, hi, best = 0, hi if at_most is None else min(hi, at_most), None
         while lo < hi:
             mid = (lo + hi + 1) // 2
             cursor = self._walk(context, len(context) - mid)
