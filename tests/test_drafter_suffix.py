@@ -316,3 +316,21 @@ def test_a_stream_added_to_the_global_trie_lifts_the_match_bound():
     serve(drafter, "b", [1], [5, 6, 7, 8, 9, 10, 11, 12])  # b's answer joins the global trie
     # a's tail 7 8 9 now matches there, 3 tokens more than its last match + 0 tokens appended
     assert ask(drafter, context, "a") == [10, 11, 12]
+
+
+def test_a_remembered_most_frequent_continuation_is_forgotten_when_the_trie_changes():
+    trie = SuffixTrie(8)
+    first = trie.add([1, 2, 3, 9])
+    cursor, m = trie.longest_match([7, 1, 2], 4)
+    assert m == 2 and trie.draft(cursor, 1, 0.0)[0] == [3]  # remembered: 3 follows 1 2
+    trie.add([1, 2, 4, 9])
+    trie.add([1, 2, 4, 8])
+    cursor, _ = trie.longest_match([7, 1, 2], 4)
+    assert trie.draft(cursor, 1, 0.0)[0] == [4]
+    trie.remove(first)
+    cursor, _ = trie.longest_match([7, 1, 2], 4)
+    assert trie.draft(cursor, 1, 0.0)[0] == [4]
+    own = trie.open()
+    trie.extend(own, [1, 2, 3, 1, 2, 3, 1, 2, 3, 0])  # 1 2 3 three times against 1 2 4 twice
+    cursor, _ = trie.longest_match([7, 1, 2], 4)
+    assert trie.draft(cursor, 1, 0.0)[0] == [3]

@@ -60,18 +60,23 @@ class SuffixTrie:
         # Counts whole streams added or removed (`extend` only appends to a stream): a match bound
         # from an earlier call (longest_match's at_most) holds while it stays the same.
         self.version = 0
-        # A frozen trie (a corpus: only read once built) remembers each node's most frequent child
-        # and its children's total count the first time a draft passes, instead of rescanning
-        # children that can number thousands near the root.
-        self._followed: dict[_Node, tuple[int, _Node, int]] | None = None
+        # Each node's most frequent child and its children's total count, remembered the first
+        # time a draft passes and forgotten at the trie's next change (`changes`), instead of
+        # rescanning children that can number thousands near the root: a corpus (frozen) keeps
+        # them for good, the global trie of earlier answers until a request ends.
+        self.changes = 0
+        self._followed: dict[_Node, tuple[int, _Node, int]] = {}
+        self._followed_at = 0
+        self.frozen = False
 
     def freeze(self) -> None:
-        """No more changes: extend, add and remove refuse from now on; drafts get cheaper."""
-        self._followed = {}
+        """No more changes: extend, add and remove refuse from now on."""
+        self.frozen = True
 
     def _check_open(self) -> None:
-        if self._followed is not None:
+        if self.frozen:
             raise RuntimeError("this suffix trie is frozen (a corpus is only read)")
+        self.changes += 1
 
     def open(self) -> TrieStream:
         """A new, empty stream to `extend` token by token."""
@@ -194,12 +199,13 @@ class SuffixTrie:
     def _most_frequent(self, node: _Node) -> tuple[int, _Node, int]:
         """(token, child) of the node's most frequent continuation, and its children's total count."""
         followed = self._followed
-        found = followed.get(node) if followed is not None else None
+        if self._followed_at != self.changes:
+            followed.clear()
+            self._followed_at = self.changes
+        found = followed.get(node)
         if found is None:
             tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
-            found = (tok, child, sum(c.count for c in node.children.values()))
-            if followed is not None:
-                followed[node] = found
+            found = followed[node] = (tok, child, sum(c.count for c in node.children.values()))
         return found
 
     def _walk(self, tokens: list[int], start: int) -> _Cursor | None:
