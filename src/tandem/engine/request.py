@@ -39,9 +39,16 @@ class HiddenRows:
 
     def add(self, rows: dict[int, torch.Tensor]) -> None:
         """Keep rows[layer] (the same number of rows for every layer) after the ones held."""
-        if rows:
-            layers = tuple(rows)
-            self.add_stacked(layers, torch.stack([rows[layer] for layer in layers]))
+        if not rows:
+            return
+        layers = tuple(rows)
+        self._check_layers(layers)
+        first = rows[layers[0]]
+        n = first.shape[0]
+        self._reserve(n, len(layers), first)
+        for i, layer in enumerate(layers):  # straight into the buffer: no stacked copy first
+            self._buf[i, self._end : self._end + n].copy_(rows[layer])
+        self._end += n
 
     def add_stacked(self, layers: tuple[int, ...], stacked: torch.Tensor,
                     index: slice | list[int] | None = None) -> None:
@@ -49,24 +56,28 @@ class HiddenRows:
         index None: all rows, a slice or a list of row indices)."""
         if not layers:
             return
+        self._check_layers(layers)
+        block = stacked if index is None else stacked[:, index]
+        n = block.shape[1]
+        self._reserve(n, len(layers), block)
+        self._buf[:, self._end : self._end + n].copy_(block)
+        self._end += n
+
+    def _check_layers(self, layers: tuple[int, ...]) -> None:
         if self._buf is None:
             self._layers = layers
         elif layers != self._layers:
             raise ValueError(f"hidden rows of layers {layers} added to rows of layers {self._layers}")
-        block = stacked if index is None else stacked[:, index]
-        n = block.shape[1]
-        self._reserve(n, block)
-        self._buf[:, self._end : self._end + n].copy_(block)
-        self._end += n
 
-    def _reserve(self, n: int, like: torch.Tensor) -> None:
-        """Room for n more rows: a new buffer twice the rows it must hold, holding only the rows
-        still wanted (every row with keep_all, else the untaken ones)."""
+    def _reserve(self, n: int, layers: int, like: torch.Tensor) -> None:
+        """Room for n more rows of `layers` layers (like: their width, dtype and device): a new
+        buffer twice the rows it must hold, holding only the rows still wanted (every row with
+        keep_all, else the untaken ones)."""
         if self._buf is not None and self._end + n <= self._buf.shape[1]:
             return
         first = 0 if self.keep_all else self._taken
         held = self._end - first
-        buf = like.new_empty((like.shape[0], max(16, 2 * (held + n)), like.shape[2]))
+        buf = like.new_empty((layers, max(16, 2 * (held + n)), like.shape[-1]))
         if held:
             buf[:, :held].copy_(self._buf[:, first : self._end])
         self._buf, self._taken, self._end = buf, self._taken - first, held
