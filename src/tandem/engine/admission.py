@@ -58,7 +58,6 @@ class Admission:
             admitted.append(req)
         return admitted
 
-
     def share_live_prefixes(self, starting: list[Request], running: list[Request], prefilling: list[Request]) -> None:
         """Before its prompt's first forward, each starting request copies the longest prefix of
         its prompt that a live request's row already holds, when that beats its kept-row hit: a
