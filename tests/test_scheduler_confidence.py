@@ -183,10 +183,10 @@ def test_nothing_is_drafted_when_no_position_could_be_admitted(saved):
     while linear.has_work():
         linear.step()
     assert calls == [] and asked == [] and linear.stats.num_drafts == 0
-    assert not linear.policy.may_pay([DraftSlot("a", 4), DraftSlot("b", 4)])
+    assert not any(linear.policy.worth_asking([DraftSlot("a", 4), DraftSlot("b", 4)]))
 
     flat = engine(CostCurve((1, 64), (1.0, 1.0)))
-    assert flat.policy.may_pay([DraftSlot("a", 4), DraftSlot("b", 4)])
+    assert all(flat.policy.worth_asking([DraftSlot("a", 4), DraftSlot("b", 4)]))
     reqs = [flat.add_request(ids, GREEDY) for ids in PROMPTS]
     while flat.has_work():
         flat.step()
@@ -194,29 +194,42 @@ def test_nothing_is_drafted_when_no_position_could_be_admitted(saved):
     assert tuple(tuple(r.output_ids) for r in reqs) == plain()  # greedy identity under the scheduler
 
 
-def test_may_pay_bounds_a_round_by_what_past_rounds_say():
+def test_worth_asking_bounds_a_round_by_what_past_rounds_say():
     """Before asking the drafter anything, the scheduler checks that a draft could pay at each
     request's best expected survivals over the drafter's sources: once both sources' drafts are
     known to fail here, nothing is asked until the request is due a retry."""
     s = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"), CostCurve((1, 2, 3), (1.0, 1.15, 1.3)),
                             sources=("lookup", "head"))
     slots = [DraftSlot("a", 2)]
-    assert s.may_pay(slots)  # nothing learnt yet: a draft that all passes would pay
+    assert any(s.worth_asking(slots))  # nothing learnt yet: a draft that all passes would pay
     for source in ("lookup", "head"):
         s.draft_lengths([DraftSlot("a", 2, source)])
         s.admit(["a"], [chain(0.05, 0.05)], batch=1)
-    assert not s.may_pay(slots)
+    assert not any(s.worth_asking(slots))
     s.admit(["b"], [chain(0.9, 0.9)], batch=1)  # another request's good drafts: its own business
-    assert not s.may_pay(slots)
+    assert not any(s.worth_asking(slots))
     for _ in range(RETRY_ROUNDS):
         s.skip_round(slots)
-    assert s.may_pay(slots)  # due a retry: priced as if its draft would all pass
+    assert any(s.worth_asking(slots))  # due a retry: priced as if its draft would all pass
     # one source still unknown for the request: the server-wide survivals bound it
     t = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"), CostCurve((1, 2, 3), (1.0, 1.15, 1.3)),
                             sources=("lookup", "head"))
     t.draft_lengths([DraftSlot("a", 2, "lookup")])
     t.admit(["a"], [chain(0.05, 0.05)], batch=1)
-    assert t.may_pay(slots)
+    assert any(t.worth_asking(slots))
+
+
+def test_only_requests_whose_drafts_could_pay_are_asked_and_asking_has_a_price():
+    s = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"),
+                            CostCurve((1, 2, 3, 4, 5, 6), (1.0, 1.15, 1.3, 1.45, 1.6, 1.75)),
+                            verify_rows=sum, sources=("lookup", "head"))  # the fused path's rows
+    for source in ("lookup", "head"):  # a's drafts fail from either source
+        s.draft_lengths([DraftSlot("a", 2, source)])
+        s.admit(["a"], [chain(0.05, 0.05)], batch=1)
+    slots = [DraftSlot("a", 2), DraftSlot("b", 2)]
+    assert s.worth_asking(slots) == [False, True]  # b is new: a draft that all passes would pay
+    s.observe_asking(10.0, 1)  # asking costs more than any draft brings
+    assert s.worth_asking(slots) == [False, False]
 
 
 def test_a_request_switched_off_is_retried_later():

@@ -260,13 +260,18 @@ class Engine:
         slots = [DraftSlot(r.request_id, self._draft_budget(r), context=c,
                            backlog=len(r.hidden) + self.drafter.waiting_rows(r.request_id))
                  for r, c in zip(batch, contexts)]
-        if not self.policy.may_pay(slots):  # nothing could pay: no drafter is asked anything
+        worth = self.policy.worth_asking(slots)
+        if not any(worth):  # nothing could pay: no drafter is asked anything
             self.policy.skip_round(slots)
             return [Draft.empty() for _ in batch]
+        # A request whose draft could not pay even at its best is not asked anything either.
+        slots = [s if w else dataclasses.replace(s, limit=0) for s, w in zip(slots, worth)]
+        asking = time.perf_counter()
         sources = self._draft_sources(batch, slots) if self.policy.prices_sources else None
         if sources is not None:
             slots = [dataclasses.replace(s, source=source) for s, source in zip(slots, sources)]
         budgets = self.policy.draft_lengths(slots)
+        self.policy.observe_asking(time.perf_counter() - asking, len(batch))
         inputs, rows = [], []
         for i, (req, k) in enumerate(zip(batch, budgets)):
             if k > 0:

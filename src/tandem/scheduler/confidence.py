@@ -67,6 +67,9 @@ class ConfidenceScheduler(PricedPolicy):
         self.sources: dict[str, str] = {}  # this round's source of each request that drafts
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
         self.catch_up_per_row = 0.0  # drafting time per backlog row, beyond a steady round's
+        # Seconds per running request of asking at all, once worth_asking says yes for some: the
+        # drafter's source for each request asked (the lookup's trie walks) and pricing the lengths.
+        self.asking_per_request = 0.0
 
     def _global(self, source: str) -> list[float]:
         return self.global_expected.setdefault(source, [1.0] * self.k_max)
@@ -80,19 +83,32 @@ class ConfidenceScheduler(PricedPolicy):
         mine = self.expected.get(slot.request_id, {})
         return [max(p) for p in zip(*((mine.get(s) or self._global(s)) for s in self.source_names))]
 
-    def may_pay(self, batch: Sequence[DraftSlot]) -> bool:
-        """The admission before drafting at each request's best expected survivals, with no
-        drafting cost: the most this round's drafts could bring, from past rounds. Under load it
-        brings too little, and nothing is drafted at all, not even the suffix lookup asked for
-        its draft, so the load pays no drafting. (An upper bound up to the prefixes' share of
-        each row, which differs between requests: a gate, not the decision.)"""
+    def worth_asking(self, batch: Sequence[DraftSlot]) -> list[bool]:
+        """Per request, whether its draft could be admitted: the admission before drafting at
+        each request's best expected survivals over the drafter's sources, with no drafting cost
+        but what asking costs (asking_per_request for every running request): the most this
+        round's drafts could bring, from past rounds. Only those requests are asked anything
+        (the suffix lookup walks its tries for each one asked); under load none is, and the
+        load pays no drafting. (A bound up to the prefixes' share of each row, which differs
+        between requests: a gate, not the decision.)"""
         B = len(batch)
         if B == 0:
-            return False
+            return []
         contexts = slot_contexts(batch)
         best_case = [self._best_expected(slot)[: max(0, slot.limit)] for slot in batch]
-        _, rate = self._admission(B, best_case, past_dips=True, contexts=contexts)
-        return rate > B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain)
+        lengths, rate = self._admission(B, best_case, past_dips=True, contexts=contexts,
+                                        overhead=self.asking_per_request * B)
+        if rate <= B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain):
+            return [False] * B
+        return [n > 0 for n in lengths]
+
+    def observe_asking(self, seconds: float, requests: int) -> None:
+        """Asking the drafter for each of `requests` running requests' source and pricing their
+        lengths took `seconds` (the first measurement as it is, then a moving average)."""
+        if requests > 0:
+            per_request = seconds / requests
+            weight = 1.0 if self.asking_per_request == 0.0 else 0.2
+            self.asking_per_request += weight * (per_request - self.asking_per_request)
 
     def skip_round(self, batch: Sequence[DraftSlot]) -> None:
         for slot in batch:
@@ -149,14 +165,15 @@ class ConfidenceScheduler(PricedPolicy):
         return [d.truncated(n) for d, n in zip(drafts, lengths)]
 
     def _admission(self, batch: int, survivals: Sequence[Sequence[float]], draft_seconds: Sequence[float] | None = None,
-                   past_dips: bool = False, contexts: Sequence[int] | None = None) -> tuple[list[int], float]:
+                   past_dips: bool = False, contexts: Sequence[int] | None = None,
+                   overhead: float = 0.0) -> tuple[list[int], float]:
         """Admitted prefix lengths of the first len(survivals) requests of a batch of `batch`
         (the others verify one row and commit one token; `contexts`: every request's tokens
         before the round, in that order, or None), and their predicted committed tokens per
         second: pairs in descending survival, stopping at the first drop (past_dips: the best
         prefix of that order instead, for decisions taken before anything is drawn).
         draft_seconds: per request, what its drafting costs once it gets a pair (None: drafting
-        is sunk)."""
+        is sunk); overhead: seconds any admission at all adds to the round."""
         order = sorted(((a, j, r) for r, s in enumerate(survivals) for j, a in enumerate(s)),
                        key=lambda t: (-t[0], t[1], t[2]))
         lengths = [0] * len(survivals)
@@ -174,7 +191,7 @@ class ConfidenceScheduler(PricedPolicy):
             cost = draft_seconds[r] if draft_seconds is not None and lengths[r] == 0 else 0.0
             rows[r] += 1
             share = row_share[r] if row_share is not None else 0.0
-            rate = (committed + a) / (self._priced(rows, prefixes + share, memo) + drafting + cost)
+            rate = (committed + a) / (self._priced(rows, prefixes + share, memo) + drafting + cost + overhead)
             if rate <= best and not past_dips:
                 break
             lengths[r] += 1

@@ -87,14 +87,15 @@ class SpeculationPolicy(ABC):
     def draft_lengths(self, batch: Sequence[DraftSlot]) -> list[int]:
         """One draft length per slot, each in [0, slot.limit]; 0 turns speculation off for it."""
 
-    def may_pay(self, batch: Sequence[DraftSlot]) -> bool:
-        """Whether any draft could pay this round, at the most it could bring from what past
-        rounds say. False: the engine drafts nothing, asks no drafter anything and calls
-        `skip_round` instead of draft_lengths."""
-        return True
+    def worth_asking(self, batch: Sequence[DraftSlot]) -> list[bool]:
+        """Per slot, whether its draft could pay this round at the most it could bring from what
+        past rounds say. The engine asks the drafter nothing for the others (their limit is 0
+        this round); when none could, it drafts nothing and calls `skip_round` instead of
+        draft_lengths."""
+        return [True] * len(batch)
 
     def skip_round(self, batch: Sequence[DraftSlot]) -> None:
-        """A round in which nothing is drafted because may_pay said so."""
+        """A round in which nothing is drafted because worth_asking said so for every slot."""
 
     def cut(self, request_id: str, draft: Draft) -> Draft:
         """The part of a proposed chain to verify: a prefix. It may read what was fixed before
@@ -127,6 +128,10 @@ class SpeculationPolicy(ABC):
     def observe_catch_up(self, seconds: float, rows: int, units: int) -> None:
         """The drafter spent `seconds` drafting `units` units after catching up on `rows` hidden
         rows (DraftSlot.backlog): not a steady round's cost (observe_draft_time)."""
+
+    def observe_asking(self, seconds: float, requests: int) -> None:
+        """Once worth_asking said yes for some, asking the drafter where their drafts would come
+        from and choosing the lengths of a batch of `requests` running requests took `seconds`."""
 
     def observe_round(self, tokens: int, seconds: float, lengths: Sequence[int] | None = None,
                       contexts: Sequence[int] | None = None) -> None:
