@@ -73,7 +73,8 @@ class SuffixTrie:
         """No more changes: extend, add and remove refuse from now on."""
         self.frozen = True
 
-    def _check_open(self) -> None:
+    def _change(self) -> None:
+        """A change is about to be made: refused once frozen, else counted (`changes`)."""
         if self.frozen:
             raise RuntimeError("this suffix trie is frozen (a corpus is only read)")
         self.changes += 1
@@ -83,7 +84,7 @@ class SuffixTrie:
         return TrieStream()
 
     def extend(self, stream: TrieStream, tokens: list[int]) -> None:
-        self._check_open()
+        self._change()
         root, max_depth = self.root, self.max_depth
         for tok in tokens:
             stream.tokens.append(tok)
@@ -120,7 +121,7 @@ class SuffixTrie:
 
     def remove(self, stream: TrieStream) -> None:
         """Take every suffix of `stream` out again, dropping nodes no other suffix uses."""
-        self._check_open()
+        self._change()
         self.version += 1
         toks = stream.tokens
         for start in range(len(toks)):
@@ -157,7 +158,9 @@ class SuffixTrie:
         because the new tail's first length - c tokens then matched with a continuation.
         """
         hi = min(max_len, len(context), self.max_depth - 1)
-        lo, hi, best = 0, hi if at_most is None else min(hi, at_most), None
+        if at_most is not None:
+            hi = min(hi, at_most)
+        lo, best = 0, None
         while lo < hi:
             mid = (lo + hi + 1) // 2
             cursor = self._walk(context, len(context) - mid)
