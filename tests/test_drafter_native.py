@@ -11,7 +11,7 @@ import torch
 from heads_fixtures import parts
 
 from tandem.drafters.heads.block import DraftBlock
-from tandem.drafters.heads.native import NativeBlock
+from tandem.drafters.heads.native import NativeBlock, path_keys, path_mask
 from tandem.drafters.heads.serving import serving_kernels
 from tandem.model.kernels import block_kernels
 
@@ -48,7 +48,8 @@ def test_chain_steps_match(gap):
     positions = torch.arange(10, 13).unsqueeze(0)
     with torch.no_grad():
         expected = block.step(x, x, positions, [ref_cache], gap=gap)
-        got = native.step(x, x, positions, [nat_cache], gap=gap)
+        got, logits = native.step(x, x, positions, [nat_cache], gap=gap)
+    assert logits is None
     torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
     assert nat_cache.length == ref_cache.length == 10
     assert nat_cache.positions[:10].tolist() == ref_cache.positions[:10].tolist()
@@ -69,7 +70,7 @@ def test_masked_rows_match_and_scratch_rows_are_not_kept():
     with torch.no_grad():
         expected = torch.cat([block.step(x[r : r + 1], x[r : r + 1], positions[r : r + 1], [c], masks=[mask])
                               for r, c in enumerate((ref_cache, ref2))])
-        got = native.step(x, x, positions, [nat_cache, nat2], masks=[mask, mask], keep=False)
+        got, _ = native.step(x, x, positions, [nat_cache, nat2], masks=[mask, mask], keep=False)
     torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
     assert nat_cache.length == nat2.length == 5  # scratch: the rows' keys were written, not kept
 
@@ -77,3 +78,189 @@ def test_masked_rows_match_and_scratch_rows_are_not_kept():
 def test_only_served_blocks_take_the_native_path():
     torch.manual_seed(0)
     assert NativeBlock.of(DraftBlock(parts().config)) is None  # fp32 nn.Linear: the PyTorch path
+
+
+def served_norm(H: int, seed: int) -> torch.nn.RMSNorm:
+    torch.manual_seed(seed)
+    norm = torch.nn.RMSNorm(H, eps=parts().config.rms_norm_eps)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return norm
+
+
+def served_vocab(H: int, V: int = 96, seed: int = 5):
+    """(norm, 8-bit block projection) of a head's own vocabulary."""
+    torch.manual_seed(seed)
+    head = serving_kernels(torch.nn.Sequential(torch.nn.Linear(H, V, bias=False)))
+    return served_norm(H, seed + 1), head[0]
+
+
+def eagle3_block(seed: int = 2) -> DraftBlock:
+    """A served block whose attention input is [embedding | feature] (2H wide), as EAGLE-3's."""
+    torch.manual_seed(seed)
+    cfg = parts().config
+    block = DraftBlock(cfg, attn_in_features=2 * cfg.hidden_size)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return serving_kernels(block).eval()
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_input_norms_are_fused_into_the_step(pieces):
+    """The attention input's norms (one, or one per half: EAGLE-3's [embedding | feature]) run
+    inside the native call: the same layer output as norming first and stepping after."""
+    block = eagle3_block() if pieces == 2 else served_block(3)
+    H = parts().config.hidden_size
+    norms = tuple(served_norm(H, 10 + i) for i in range(pieces))
+    native = NativeBlock.of(block, norms)
+    ref_cache, nat_cache = filled_caches_wide(block, 6, pieces)
+    x, raw = torch.randn(1, 2, H), torch.randn(1, 2, pieces * H)
+    normed = torch.cat([n(p) for n, p in zip(norms, raw.chunk(pieces, -1))], -1)
+    positions = torch.arange(6, 8).unsqueeze(0)
+    with torch.no_grad():
+        expected = block.step(x, normed, positions, [ref_cache])
+        got, _ = native.step(x, raw, positions, [nat_cache])
+    torch.testing.assert_close(got, expected, rtol=3e-3, atol=3e-3)
+
+
+def filled_caches_wide(block: DraftBlock, n: int, pieces: int):
+    cache = block.new_cache(torch.device("cpu"))
+    H = parts().config.hidden_size
+    block.step(torch.randn(1, n, H), torch.randn(1, n, pieces * H), torch.arange(n).unsqueeze(0), [cache])
+    return cache, copy.deepcopy(cache)
+
+
+def test_vocab_logits_come_from_the_same_call():
+    """With a vocabulary head, the step also returns projection(norm(out)) of each request's
+    last row ("last") or of every row ("all"), as the projection computes them itself."""
+    block = served_block(4)
+    H = parts().config.hidden_size
+    norm, projection = served_vocab(H)
+    native = NativeBlock.of(block, vocab=(norm, projection))
+    assert native.has_vocab
+    caches = [filled_caches(block, 5)[0], filled_caches(block, 9)[0]]
+    x = torch.randn(2, 3, H)
+    positions = torch.tensor([[5, 6, 7], [9, 10, 11]])
+    with torch.no_grad():
+        for mode in ("last", "all"):
+            trial = [copy.deepcopy(c) for c in caches]
+            out, logits = native.step(x, x, positions, trial, logits=mode)
+            rows = out[:, -1] if mode == "last" else out.reshape(-1, H)
+            torch.testing.assert_close(logits, projection(norm(rows)), rtol=2e-3, atol=2e-3)
+
+
+def test_requests_in_one_call_do_not_touch_each_other():
+    """Several requests, caches of different lengths and capacities, in one native call: each
+    request's output, logits and cache are bit for bit those of the call over it alone."""
+    block = served_block(6)
+    H = parts().config.hidden_size
+    native = NativeBlock.of(block, vocab=served_vocab(H))
+    short, _ = filled_caches(block, 3)
+    long, _ = filled_caches(block, 70)  # grown past the first capacity (64)
+    assert short.k.shape[1] != long.k.shape[1]
+    x = torch.randn(2, 2, H)
+    positions = torch.tensor([[3, 4], [70, 71]])
+    together = [copy.deepcopy(short), copy.deepcopy(long)]
+    alone = [copy.deepcopy(short), copy.deepcopy(long)]
+    with torch.no_grad():
+        out, logits = native.step(x, x, positions, together, logits="all")
+        for r in range(2):
+            out_r, logits_r = native.step(x[r : r + 1], x[r : r + 1], positions[r : r + 1], [alone[r]], logits="all")
+            assert torch.equal(out[r], out_r[0])
+            assert torch.equal(logits[2 * r : 2 * r + 2], logits_r)
+            n = alone[r].length
+            assert together[r].length == n and torch.equal(together[r].k[:, :n], alone[r].k[:, :n])
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_keys_rules_equal_their_masks(whole):
+    """A chain's rule (each row its cache up to its own slot) and a block's (`whole`: every slot)
+    give bit for bit what the same visibility given as a mask gives."""
+    block = served_block(7)
+    H = parts().config.hidden_size
+    native = NativeBlock.of(block)
+    by_rule, by_mask = filled_caches(block, 5)
+    x = torch.randn(1, 3, H)
+    positions = torch.arange(5, 8).unsqueeze(0)
+    mask = torch.ones(3, 8, dtype=torch.bool) if whole else torch.ones(3, 8, dtype=torch.bool).tril(5)
+    with torch.no_grad():
+        ruled, _ = native.step(x, x, positions, [by_rule], whole=whole, keep=not whole)
+        masked, _ = native.step(x, x, positions, [by_mask], masks=[mask], keep=not whole)
+    assert torch.equal(ruled, masked)
+
+
+def eagle3_chain_parts(seed: int = 8):
+    block = eagle3_block(seed)
+    H = parts().config.hidden_size
+    norms = (served_norm(H, seed + 1), served_norm(H, seed + 2))
+    vocab = served_vocab(H, V=96, seed=seed + 3)
+    torch.manual_seed(seed)
+    embed = torch.randn(parts().config.vocab_size, H)
+    vocab_ids = torch.randperm(parts().config.vocab_size)[:96].sort().values
+    return NativeBlock.of(block, norms, vocab), embed, vocab_ids
+
+
+def stepped_chain(native, feat, logits, caches, positions, budgets, vocab_ids, embed, scale):
+    """What NativeBlock.chain does, one native step per draft token from Python."""
+    drafts = []
+    for r, cache in enumerate(caches):
+        tokens, f, lg, length = [], feat[r : r + 1], logits[r], cache.length
+        for s in range(budgets[r]):
+            if not torch.isfinite(lg).all():
+                break
+            tokens.append(int(vocab_ids[int(lg.argmax())]))
+            if len(tokens) == budgets[r]:
+                break
+            raw = torch.cat([embed[tokens[-1]] * scale, f[0]]).view(1, 1, -1)
+            out, lgs = native.step(f.view(1, 1, -1), raw, torch.tensor([[positions[r] + s]]), [cache], logits="last")
+            f, lg = out[:, 0], lgs[0]
+        cache.truncate(length)
+        drafts.append(tokens)
+    return drafts
+
+
+def test_a_native_chain_drafts_what_native_steps_draft():
+    """NativeBlock.chain (the greedy EAGLE-3 chain in one call) gives the tokens of the same
+    steps run one by one, per request, with different budgets, and leaves cache lengths alone;
+    a request whose logits hold a NaN drafts nothing."""
+    native, embed, vocab_ids = eagle3_chain_parts()
+    H = parts().config.hidden_size
+    block = native.block
+    caches = [filled_caches_wide(block, n, 2)[0] for n in (4, 9, 6)]
+    feat = torch.randn(3, H)
+    logits = torch.randn(3, 96) * 3
+    logits[2, 5] = float("nan")
+    positions, budgets = [4, 9, 6], [4, 2, 3]
+    stepped = [copy.deepcopy(c) for c in caches]
+    with torch.no_grad():
+        expected = stepped_chain(native, feat, logits, stepped, positions, budgets, vocab_ids, embed, 1.5)
+        got = native.chain(feat, logits, caches, positions, budgets, vocab_ids, embed, 1.5)
+    assert got == expected
+    assert [len(d) for d in got] == [4, 2, 0]
+    assert [c.length for c in caches] == [4, 9, 6]
+    # The draft steps' keys (scratch slots after `length`: their rope position, the token's
+    # embedding and the feature fed) are the same bits too.
+    for cache, ref, draft in zip(caches, stepped, got):
+        fed = slice(cache.length, cache.length + max(len(draft) - 1, 0))
+        assert torch.equal(cache.k[:, fed], ref.k[:, fed]) and torch.equal(cache.v[:, fed], ref.v[:, fed])
+
+
+def test_a_trees_paths_as_keys_equal_them_as_a_mask():
+    """A frontier's visibility given as path_keys (the prefix, then each node's path) computes
+    what the same visibility as path_mask does, bit for bit."""
+    block = served_block(9)
+    H = parts().config.hidden_size
+    native = NativeBlock.of(block)
+    by_keys, by_mask = filled_caches(block, 5)
+    depth1 = torch.randn(1, 2, H)
+    for cache in (by_keys, by_mask):  # two tree nodes at slots 5 and 6 (depth 1)
+        native.step(depth1, depth1, torch.full((1, 2), 5), [cache], masks=[path_keys(5, [[5], [6]], torch.full((2,), 5))])
+    torch.manual_seed(1)
+    x = torch.randn(1, 3, H)
+    positions = torch.full((1, 3), 6)
+    paths = [[5, 7], [5, 8], [6, 9]]  # depth 2: children of both
+    with torch.no_grad():
+        keyed, _ = native.step(x, x, positions, [by_keys], masks=[path_keys(5, paths, positions[0])])
+        masked, _ = native.step(x, x, positions, [by_mask], masks=[path_mask(5, paths, 10)])
+    assert torch.equal(keyed, masked)

@@ -152,6 +152,7 @@ def results(tmp_path):
         path.write_text(data if isinstance(data, str) else json.dumps(data))
 
     put("bench_spec.json", _spec_report(["translation", "qa"]))
+    put("noted/bench_spec.json", {**_spec_report(["qa"]), "note": "the build before X, alternating with Y"})
     (root / "bench_spec").mkdir()
     (root / "bench_spec" / "cost_curve.png").write_bytes(b"png")
     parts = {"translation": "2026-12-02 08:00 UTC", "qa": "2026-12-02 09:00 UTC"}
@@ -190,8 +191,8 @@ def test_kinds():
 def test_every_file_gets_a_section_in_path_order(results):
     text = render(results, results / "README.md")
     rels = ["advise.json", "bench_spec.json", "broken.json", "full/merged.json", "full/parts/qa.json",
-            "full/parts/translation.json", "kernels/bench_base_gemma.json", "list.json", "serve/sweep.json",
-            "zz_unknown.json"]
+            "full/parts/translation.json", "kernels/bench_base_gemma.json", "list.json", "noted/bench_spec.json",
+            "serve/sweep.json", "zz_unknown.json"]
     positions = [text.index(f"\n## {rel}\n") for rel in rels]
     assert positions == sorted(positions)
     for rel in rels:
@@ -220,6 +221,13 @@ def test_bench_spec_tables(results):
     assert "0 mismatches of 4 prompts for every method" in text
     assert "c(2) / c(4) / c(8) / c(16) / c(32) = 1.25 / 1.50 / 2.00 / 3.00 / 5.00 x one token (20.0 ms)" in text
     assert "[cost_curve.png](bench_spec/cost_curve.png)" in text
+
+
+def test_a_spec_runs_note_is_in_its_command_and_section(results):
+    text = _section(render(results, results / "README.md"), "noted/bench_spec.json")
+    assert "--note 'the build before X, alternating with Y' --json results/noted/bench_spec.json" in text
+    assert "\nNote: the build before X, alternating with Y\n" in text
+    assert "Note:" not in _section(render(results, results / "README.md"), "bench_spec.json")
 
 
 def test_merged_spec_and_its_parts(results):

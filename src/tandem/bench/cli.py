@@ -77,6 +77,7 @@ def _add_spec_parser(kinds) -> None:
     spec.add_argument("--skip-transformers", action="store_true")
     spec.add_argument("--json", default="results/bench_spec.json", help="report path ('' to skip)")
     spec.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
+    spec.add_argument("--note", default="", help="what this run was (kept in the report, shown on the results page)")
     spec.set_defaults(func=_run_spec)
 
 

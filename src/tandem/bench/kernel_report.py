@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tandem.model.block_linear import BlockQ4Linear, BlockQ8Linear
 from tandem.model.cost import fastest_of, forward_cost_curve
-from tandem.model.kernels import block_kernels, cpu_flags, cpu_name, kernel_description
+from tandem.model.kernels import block_kernels, cpu_flags, cpu_model, cpu_name, kernel_description
 
 CURVE = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 STEP_CONTEXT = 300
@@ -26,6 +26,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni
 @dataclass
 class KernelReport:
     cpu: str
+    cpu_model: str | None  # "family F model M": which generation the name covers
     isa: list[str]
     kernels: str
     threads: int
@@ -119,7 +120,7 @@ def kernel_report(loaded, gguf_path=None, with_bf16: bool = True) -> KernelRepor
     bf16 = bf16_dense_curve(model) if with_bf16 else {}
     flags = cpu_flags()
     return KernelReport(
-        cpu=cpu_name(), isa=[f for f in ISA_FLAGS if f in flags], threads=torch.get_num_threads(),
+        cpu=cpu_name(), cpu_model=cpu_model(), isa=[f for f in ISA_FLAGS if f in flags], threads=torch.get_num_threads(),
         kernels=kernel_description() if loaded.kernels == "block" else loaded.kernels,
         bandwidth_gb_s=bandwidth, int8_peak_gmac_s=peak / 1e9 if peak else None,
         tandem_bytes=model_weight_bytes(model), gguf_bytes=gguf,
@@ -131,7 +132,8 @@ def kernel_report(loaded, gguf_path=None, with_bf16: bool = True) -> KernelRepor
 
 
 def print_kernel_report(r: KernelReport) -> None:
-    print(f"CPU: {r.cpu} ({' '.join(r.isa)}); {r.threads} threads; quantized linears on {r.kernels}")
+    model = f" {r.cpu_model}" if r.cpu_model else ""
+    print(f"CPU: {r.cpu}{model} ({' '.join(r.isa)}); {r.threads} threads; quantized linears on {r.kernels}")
     print(f"read bandwidth {r.bandwidth_gb_s:.1f} GB/s (best of 7 sum() passes over 1 GB)", end="")
     print(f"; int8 peak {r.int8_peak_gmac_s:.0f} GMAC/s (register loop)" if r.int8_peak_gmac_s else "")
     gguf = f", the GGUF's own {r.gguf_bytes / 1e6:.0f} MB" if r.gguf_bytes else ""

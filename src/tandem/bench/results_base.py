@@ -80,7 +80,8 @@ def _kernel_table(kernels: dict) -> list[str]:
     step, floor = kernels.get("step_ms"), kernels.get("floor_ms")
     bf16 = kernels.get("bf16_curve") or {}
     krows = [
-        ["CPU", kernels.get("cpu")],
+        ["CPU", kernels.get("cpu") + (f" ({kernels['cpu_model']})" if kernels.get("cpu_model") else "")
+         if kernels.get("cpu") else None],
         ["instruction sets", ", ".join(kernels.get("isa") or []) or "-"],
         ["kernels, threads", f"{kernels.get('kernels')}, {kernels.get('threads')}"],
         ["read bandwidth", f"{num(kernels.get('bandwidth_gb_s'), 1)} GB/s"],
@@ -108,8 +109,8 @@ def base_section(page: Page, rel: str, data: dict) -> list[str]:
     words = _base_words(page, rel, data, plot_rel)
     machine = None
     if kernels:
-        machine = {"cpu": kernels.get("cpu"), "isa": kernels.get("isa"), "threads": kernels.get("threads"),
-                   "kernels": kernels.get("kernels")}
+        machine = {"cpu": kernels.get("cpu"), "cpu_model": kernels.get("cpu_model"), "isa": kernels.get("isa"),
+                   "threads": kernels.get("threads"), "kernels": kernels.get("kernels")}
     lines = [f"`{KINDS['bench_base']}`: plain decoding of {data.get('model')}, greedy, batch 1, "
              f"{data.get('num_prompts')} Spec-Bench prompts (one per subtask, chat template where the model has one) x {data.get('max_new_tokens')} new tokens "
              f"(prefill included), {data.get('clock')} clock; read bandwidth {num(data.get('bandwidth_gb_s'), 1)} GB/s "

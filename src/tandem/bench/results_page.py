@@ -132,7 +132,8 @@ def machine_line(rel: str, machine: dict | None) -> str:
     """`Machine: ...`: the CPU, cores, threads, torch, instruction sets, kernel variant and date a report records."""
     kernels = None
     if machine:
-        parts = [str(machine.get("cpu", "CPU not recorded"))]
+        parts = [str(machine.get("cpu", "CPU not recorded"))
+                 + (f" ({machine['cpu_model']})" if machine.get("cpu_model") else "")]
         if machine.get("cores") is not None:
             parts.append(f"{machine['cores']} cores")
         threads = machine.get("torch_threads", machine.get("threads"))

@@ -58,6 +58,8 @@ def _spec_words(data: dict, subtasks: list[str] | None, json_path: str, plots: s
     if machine.get("torch_threads") and machine.get("cores") and machine["torch_threads"] != machine["cores"]:
         words += ["--threads", str(machine["torch_threads"])]
     words += ["--methods", *[_method_arg(m) for m in data["methods"]]]
+    if data.get("note"):
+        words += ["--note", data["note"]]
     return words + ["--json", json_path, "--plots", plots]
 
 
@@ -214,6 +216,8 @@ def spec_section(page: Page, rel: str, data: dict) -> list[str]:
     plots_rel, pngs = page.sibling_plots(rel)
     plots = page.shown(plots_rel) if plots_rel and plots_rel == stem else ""
     lines = _spec_command(page, rel, data, subtasks, plots)
+    if data.get("note"):
+        lines += ["", f"Note: {data['note']}"]
     mode = _mode(data)
     lines += ["", machine_line(rel, data.get("machine")), "", _settings_line(data, mode), ""]
     overall = data["categories"].get(OVERALL) or {}

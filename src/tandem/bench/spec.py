@@ -26,7 +26,7 @@ from tandem.bench.kernel_report import ISA_FLAGS
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters import TargetInfo, available_drafters, create_drafter
 from tandem.llm import LLM
-from tandem.model.kernels import cpu_flags, cpu_name, kernel_description
+from tandem.model.kernels import cpu_flags, cpu_model, cpu_name, kernel_description
 from tandem.scheduler.profile import cost_curve_for
 from tandem.types import SpecStats
 
@@ -391,7 +391,8 @@ def machine_info() -> dict:
     """The CPU (model name and the instruction sets the kernels care about), the kernels that ran
     the quantized linears, threads, torch and the date: what every figure is reported next to."""
     flags = cpu_flags()
-    return {"cpu": cpu_name(), "isa": [f for f in ISA_FLAGS if f in flags], "kernels": kernel_description(),
+    return {"cpu": cpu_name(), "cpu_model": cpu_model(), "isa": [f for f in ISA_FLAGS if f in flags],
+            "kernels": kernel_description(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}

@@ -64,6 +64,8 @@ def bench_spec(args) -> dict:
     report["limit_per_subtask"] = args.limit
     report["skipped_methods"] = skipped
     report["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    if args.note:
+        report["note"] = args.note
     print_table(report)
     print_identity(report)
     print(f"total wall time {report['wall_seconds']:.0f} s")
@@ -93,7 +95,9 @@ def print_table(report: dict) -> None:
           f"{report['num_prompts']} prompts, k = {report['num_draft_tokens']}, up to {report['max_new_tokens']} new tokens")
     machine = report.get("machine", {})
     if "kernels" in machine:
-        print(f"CPU: {machine['cpu']} ({' '.join(machine['isa'])}), {machine['torch_threads']} threads, {machine['kernels']}")
+        model = f" {machine['cpu_model']}" if machine.get("cpu_model") else ""
+        print(f"CPU: {machine['cpu']}{model} ({' '.join(machine['isa'])}), {machine['torch_threads']} threads, "
+              f"{machine['kernels']}")
     head = (f"{'configuration':34} {'tau':>5} {'acc':>5}  {'acceptance per position':24} {'draft ms/tok':>12} "
             f"{'ms/round':>8} {'tok/s':>7} {'speedup':>8}")
     print(head)

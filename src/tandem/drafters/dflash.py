@@ -57,7 +57,10 @@ class DFlashDrafter(HeadDrafter):
             )
         self.block_size = spec.num_draft_tokens + extra
         self.contexts: dict[str, list[RowCache]] = {}
-        self.natives = NativeBlock.all_of([layer.block for layer in self.head.draft_layers])
+        last = len(self.head.draft_layers) - 1  # its call gives the block's logits too
+        natives = [NativeBlock.of(layer.block, (layer.norm,), (self.head.out_norm, self.head.lm_head) if i == last else None)
+                   for i, layer in enumerate(self.head.draft_layers)]
+        self.natives = natives if all(n is not None for n in natives) else None
         self.online_calibration = OnlineCalibration()
         self.lookup = None
         if spec.lookup:
@@ -108,18 +111,17 @@ class DFlashDrafter(HeadDrafter):
             if not rows:
                 return drafts
         contexts = [self._catch_up(inp) for inp in inputs]
-        for r, inp, draft in zip(rows, inputs, self._drafts(inputs, self._block_states(inputs, contexts))):
+        for r, inp, draft in zip(rows, inputs, self._drafts(inputs, *self._block_states(inputs, contexts))):
             if draft.confidence:
                 corrected = self.online_calibration.correct(inp.request_id, draft.confidence)
                 draft = Draft(draft.token_ids, draft.probs, None, corrected)
             drafts[r] = draft
         return drafts
 
-    def _drafts(self, inputs: list[DraftInput], states: torch.Tensor) -> list[Draft]:
-        """One draft per input from the block's output states [R, S, H]: mask position j's
-        logits give token j, independently of the others."""
-        logits = self.head.head_logits(states[:, 1:])  # [R, k, V']
-        return [self._draft(inp, logits[r, : min(self.block_size - 1, inp.max_draft_tokens)])
+    def _drafts(self, inputs: list[DraftInput], states: torch.Tensor, logits: torch.Tensor) -> list[Draft]:
+        """One draft per input from the block's output states [R, S, H] and their logits
+        [R, S, V']: mask position j's logits give token j, independently of the others."""
+        return [self._draft(inp, logits[r, 1 : 1 + min(self.block_size - 1, inp.max_draft_tokens)])
                 for r, inp in enumerate(inputs)]
 
     def _draft(self, inp: DraftInput, logits: torch.Tensor) -> Draft:
@@ -132,18 +134,21 @@ class DFlashDrafter(HeadDrafter):
         draft = make_draft(tokens[:end], qs[:end])
         return Draft(draft.token_ids, draft.probs, None, confidence) if end else draft
 
-    def _block_states(self, inputs: list[DraftInput], contexts: list[list[RowCache]]) -> torch.Tensor:
-        """The last draft layer's output [R, S, H] over every request's [anchor, MASK x (S-1)]."""
+    def _block_states(self, inputs: list[DraftInput], contexts: list[list[RowCache]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last draft layer's output [R, S, H] over every request's [anchor, MASK x (S-1)],
+        and the head's logits of it [R, S, V']."""
         head, S = self.head, self.block_size
         anchors = torch.tensor([inp.token_ids[-1] for inp in inputs], device=self.device)
         positions = torch.tensor([len(inp.token_ids) - 1 for inp in inputs], device=self.device)
         positions = positions.unsqueeze(-1) + torch.arange(S, device=self.device)  # [R, S]
         x = head.block_input(self.parts.embed(anchors).float(), S)  # [R, S, H]
+        if self.natives is not None:  # every row sees the whole context and the whole block
+            for li, native in enumerate(self.natives):
+                last = li == len(self.natives) - 1
+                x, logits = native.step(x, x, positions, [ctx[li] for ctx in contexts], keep=False, whole=True,
+                                        logits="all" if last else None)
+            return x, (head.head_logits(x) if logits is None else logits.reshape(len(inputs), S, -1))
         for li, layer in enumerate(head.draft_layers):
-            if self.natives is not None:  # every row sees the whole context and the whole block
-                x = self.natives[li].step(x, x, positions, [ctx[li] for ctx in contexts], keep=False,
-                                          attn_norm=layer.norm, whole=True)
-                continue
             blk = layer.block
             q, kb, vb = blk.qkv_heads(layer.norm(x), positions)
             outs = []
@@ -154,7 +159,7 @@ class DFlashDrafter(HeadDrafter):
                 outs.append(F.scaled_dot_product_attention(q[r : r + 1], k, v, scale=blk.scale,
                                                            enable_gqa=blk.heads != blk.kv_heads))
             x = blk.finish(x, torch.cat(outs))
-        return x
+        return x, head.head_logits(x)
 
     def _catch_up(self, inp: DraftInput) -> list[RowCache]:
         """The request's per-layer context caches extended by its new hidden rows (positions
@@ -168,12 +173,15 @@ class DFlashDrafter(HeadDrafter):
             caches = self.contexts[inp.request_id] = [
                 layer.block.new_cache(self.device, origin=first) for layer in self.head.draft_layers
             ]
-        features = self.head.context({layer: h.float().unsqueeze(0) for layer, h in hidden.items()})  # [1, n, H]
+        hidden = {layer: h.float().unsqueeze(0) for layer, h in hidden.items()}
         positions = torch.arange(first, first + n, device=self.device)
-        for li, (layer, cache) in enumerate(zip(self.head.draft_layers, caches)):
-            if self.natives is not None:  # only the rows' keys and values are needed
-                self.natives[li].write_keys(features, positions.unsqueeze(0), cache)
-                continue
+        if self.natives is not None:  # only the rows' keys and values are needed; the norm is fused
+            projected = self.head.context_projection(hidden)  # [1, n, H]
+            for native, cache in zip(self.natives, caches):
+                native.write_keys(projected, positions.unsqueeze(0), cache, norm=self.head.context_norm)
+            return caches
+        features = self.head.context(hidden)  # [1, n, H]
+        for layer, cache in zip(self.head.draft_layers, caches):
             k, v = layer.context_kv(features, positions.unsqueeze(0))
             cache.append(k[0], v[0], positions)
         return caches

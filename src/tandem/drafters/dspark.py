@@ -34,10 +34,10 @@ class DSparkDrafter(DFlashDrafter):
         vocab = len(self.head.draft_ids)
         self.markov_row = torch.where(self.to_draft >= 0, self.to_draft, vocab)
 
-    def _drafts(self, inputs: list[DraftInput], states: torch.Tensor) -> list[Draft]:
+    def _drafts(self, inputs: list[DraftInput], states: torch.Tensor, logits: torch.Tensor) -> list[Draft]:
         head = self.head
-        h = head.out_norm(states)  # [R, S, H]
-        base = head.lm_head(h).float()  # [R, S, V']
+        h = head.out_norm(states)  # [R, S, H]: the confidence head reads it
+        base = logits.float()  # [R, S, V'] = lm_head(h)
         budgets = [min(self.block_size, inp.max_draft_tokens) for inp in inputs]
         seen = [self.seen_ids(inp) for inp in inputs]
         anchors = torch.tensor([inp.token_ids[-1] for inp in inputs], device=self.device)

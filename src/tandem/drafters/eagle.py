@@ -29,7 +29,7 @@ import torch
 
 from tandem.drafters.base import DraftInput, DraftOutcome, register
 from tandem.drafters.heads.block import RowCache
-from tandem.drafters.heads.native import NativeBlock
+from tandem.drafters.heads.native import NativeBlock, path_keys, path_mask
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
 from tandem.drafters.lookup import LookupFirst
 from tandem.sampling import all_finite
@@ -43,7 +43,7 @@ class EagleDrafter(HeadDrafter):
     def __init__(self, spec, target) -> None:
         super().__init__(spec, target)
         self.caches: dict[str, RowCache] = {}
-        self.native = NativeBlock.of(self.head.block)
+        self.native = NativeBlock.of(self.head.block, self.head.input_norms, self.head.vocab_head)
         self.lookup = LookupFirst(spec, target, self.head.serving_layers) if spec.lookup else None
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
@@ -57,7 +57,7 @@ class EagleDrafter(HeadDrafter):
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
-        head, layers = self.head, self.head.serving_layers
+        layers = self.head.serving_layers
         drafts = [Draft.empty() for _ in batch]
         rows = [i for i, inp in enumerate(batch) if all(len(inp.hidden.get(layer, ())) for layer in layers)]
         if not rows:
@@ -86,12 +86,20 @@ class EagleDrafter(HeadDrafter):
         budgets = [min(self.spec.num_draft_tokens, inp.max_draft_tokens) for inp in inputs]
         caches = [self._catch_up_cache(inp) for inp in inputs]
         # Step 0: catch up on the new true features, one request at a time (ragged lengths).
-        feat = torch.cat([self._catch_up(inp, cache) for inp, cache in zip(inputs, caches)])  # [R, H]
+        caught = [self._catch_up(inp, cache) for inp, cache in zip(inputs, caches)]
+        feat = torch.cat([f for f, _ in caught])  # [R, H]
+        logits = torch.cat([lg for _, lg in caught])  # [R, V']
+        if self._chains_natively(inputs, seen):  # greedy: every further step in one native call
+            chains = self.native.chain(feat, logits, caches, [len(inp.token_ids) - 1 for inp in inputs], budgets,
+                                       self.draft_ids, self.parts.embed_table, self.parts.embed_scale)
+            for j, tokens in enumerate(chains):
+                drafts[rows[j]] = Draft(tokens)
+            return drafts
         tokens: list[list[int]] = [[] for _ in rows]
         qs: list[list] = [[] for _ in rows]
         live = list(range(len(rows)))
         for s in range(max(budgets)):
-            picked, q = self.choose([inputs[j] for j in live], [seen[j] for j in live], head.head_logits(feat, self.parts))
+            picked, q = self.choose([inputs[j] for j in live], [seen[j] for j in live], logits)
             keep, keep_rows = [], []
             for n, (j, token, q_row) in enumerate(zip(live, picked, q)):
                 if token < 0:
@@ -105,29 +113,39 @@ class EagleDrafter(HeadDrafter):
                 break
             # Step s + 1: (draft token, own output) at the position after the last one fed.
             ids = torch.tensor([tokens[j][-1] for j in keep], device=self.device)
-            resid, attn_in = head.layer_input(self.parts.embed(ids).float().unsqueeze(1), feat[keep_rows].unsqueeze(1))
             positions = torch.tensor([[len(inputs[j].token_ids) - 1 + s] for j in keep], device=self.device)
-            feat = self._step(resid, attn_in, positions, [caches[j] for j in keep])[:, 0]
+            out, logits = self._layer(self.parts.embed(ids).float().unsqueeze(1), feat[keep_rows].unsqueeze(1),
+                                      positions, [caches[j] for j in keep])
+            feat = out[:, 0]
             live = keep
         for j, (inp, cache) in enumerate(zip(inputs, caches)):
             cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
             drafts[rows[j]] = make_draft(tokens[j], qs[j])
         return drafts
 
+    def _chains_natively(self, inputs: list[DraftInput], seen: list[torch.Tensor | None]) -> bool:
+        """Whether these requests' chains run as one native call: greedy without a repetition
+        penalty (argmax drafts, no q), on a head with its own vocabulary on the kernels whose
+        layer input is [embedding | feature] (EAGLE-3), and a float32 target embedding."""
+        table = self.parts.embed_table
+        return (self.native is not None and self.native.has_vocab and self.head.input_is_embedding_and_feature
+                and table is not None and table.dtype == torch.float32 and table.device.type == "cpu"
+                and all(inp.params.greedy and s is None for inp, s in zip(inputs, seen)))
+
     def _propose_tree(self, inp: DraftInput, size: int) -> Draft:
         """One request's EAGLE-2 tree of at most `size` nodes (see the module docstring)."""
-        head, topk = self.head, self.spec.eagle_topk
+        topk = self.spec.eagle_topk
         depth = min(self.spec.max_draft_len, inp.max_draft_tokens)
         cache = self._catch_up_cache(inp)
-        root_feat = self._catch_up(inp, cache)  # [1, H]
+        feats, logits = self._catch_up(inp, cache)  # [1, H], [1, V']
         prefix = cache.length
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
         slot_of: dict[int, int] = {}  # node -> its cache slot once fed through the layer
-        frontier, feats, frontier_scores = [-1], root_feat, torch.zeros(1, device=self.device)
+        frontier, frontier_scores = [-1], torch.zeros(1, device=self.device)
         for d in range(1, depth + 1):
-            logits = head.head_logits(feats, self.parts).float()  # [F, V']
+            logits = logits.float()  # [F, V']
             if not all_finite(logits):
                 break  # a broken head row: verify what the tree has so far
             k = min(topk, logits.shape[-1])
@@ -146,19 +164,22 @@ class EagleDrafter(HeadDrafter):
             expand = [first + int(i) for i in best]
             parent_rows = torch.div(best, k, rounding_mode="floor")
             ids_in = torch.tensor([tokens[n] for n in expand], device=self.device)
-            resid, attn_in = head.layer_input(self.parts.embed(ids_in).float().unsqueeze(0), feats[parent_rows].unsqueeze(0))
             position = len(inp.token_ids) - 2 + d
             positions = torch.full((1, len(expand)), position, device=self.device)
             for j, n in enumerate(expand):
                 slot_of[n] = cache.length + j
-            mask = torch.zeros(len(expand), cache.length + len(expand), dtype=torch.bool, device=self.device)
-            mask[:, :prefix] = True
-            for j, n in enumerate(expand):
-                node = n
+            paths = []  # each expanded node sees the prefix, then its ancestors' slots and its own
+            for n in expand:
+                path, node = [], n
                 while node >= 0:
-                    mask[j, slot_of[node]] = True
+                    path.append(slot_of[node])
                     node = parents[node]
-            feats = self._step(resid, attn_in, positions, [cache], masks=[mask])[0]  # [K, H]
+                paths.append(path[::-1])
+            visible = (path_keys(prefix, paths, positions[0]) if self.native is not None
+                       else path_mask(prefix, paths, cache.length + len(expand)).to(self.device))
+            out, logits = self._layer(self.parts.embed(ids_in).float().unsqueeze(0), feats[parent_rows].unsqueeze(0),
+                                      positions, [cache], masks=[visible], logits="all")
+            feats = out[0]  # [K, H]
             frontier, frontier_scores = expand, child_scores[best]
         cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
         return best_subtree(tokens, parents, scores, size)
@@ -174,24 +195,34 @@ class EagleDrafter(HeadDrafter):
             cache = self.caches[inp.request_id] = self.head.block.new_cache(self.device, origin=first)
         return cache
 
-    def _catch_up(self, inp: DraftInput, cache: RowCache) -> torch.Tensor:
+    def _catch_up(self, inp: DraftInput, cache: RowCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the n new rows (positions len-1-n .. len-2) paired with the tokens after them;
-        returns the layer's output at the last row [1, H]."""
+        returns the layer's output at the last row [1, H] and its logits [1, V']."""
         hidden = {layer: inp.hidden[layer].to(self.device) for layer in self.head.serving_layers}
         n = len(next(iter(hidden.values())))
         end = len(inp.token_ids) - 1
         next_ids = torch.tensor(inp.token_ids[end - n + 1 : end + 1], device=self.device)
         feat = self.head.fuse({layer: h.float().unsqueeze(0) for layer, h in hidden.items()})  # [1, n, H]
-        resid, attn_in = self.head.layer_input(self.parts.embed(next_ids).float().unsqueeze(0), feat)
         positions = torch.arange(end - n, end, device=self.device).unsqueeze(0)
-        return self._step(resid, attn_in, positions, [cache])[:, -1]
+        out, logits = self._layer(self.parts.embed(next_ids).float().unsqueeze(0), feat, positions, [cache])
+        return out[:, -1], logits
 
-    def _step(self, resid: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
-              masks: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """The draft layer's step (DraftBlock.step), on the block kernels where they serve."""
+    def _layer(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
+               masks: list | None = None, logits: str = "last") -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft layer (DraftBlock.step) over (embedding, feature) rows [R, t, H] each, on
+        the block kernels where they serve: its output [R, t, H] and the logits of each request's
+        last row [R, V'] (logits="all": of every row, [R * t, V']). masks: as NativeBlock.step's
+        (TreeKeys only where the native path runs)."""
         if self.native is not None:
-            return self.native.step(resid, attn_in, positions, caches, masks)
-        return self.head.block.step(resid, attn_in, positions, caches, masks=masks)
+            resid, raw = self.head.raw_layer_input(emb, feat)
+            out, row_logits = self.native.step(resid, raw, positions, caches, masks, logits=logits)
+        else:
+            resid, attn_in = self.head.layer_input(emb, feat)
+            out, row_logits = self.head.block.step(resid, attn_in, positions, caches, masks=masks), None
+        if row_logits is None:  # no vocabulary projection of the head's own on the kernels
+            rows = out[:, -1] if logits == "last" else out.reshape(-1, out.shape[-1])
+            row_logits = self.head.head_logits(rows, self.parts)
+        return out, row_logits
 
 
 @register("eagle3")

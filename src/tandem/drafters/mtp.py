@@ -56,7 +56,8 @@ class MTPDrafter(HeadDrafter):
     def __init__(self, spec, target) -> None:
         super().__init__(spec, target)
         self.states: dict[str, _State] = {}
-        self.natives = NativeBlock.all_of([module.block for module in self.head.mtp])
+        natives = [NativeBlock.of(module.block) for module in self.head.mtp]
+        self.natives = natives if all(n is not None for n in natives) else None
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -85,7 +86,7 @@ class MTPDrafter(HeadDrafter):
         x, attn_in = module.inputs(self.parts.embed(tokens).float().unsqueeze(0), h_prev.unsqueeze(0))
         positions = torch.arange(a, b, device=self.device).unsqueeze(0)
         if self.natives is not None:  # on the block kernels; keep=False leaves the draft query's key out
-            return self.natives[k - 1].step(x, attn_in, positions, [cache], keep=keep, gap=module.gap)[0]
+            return self.natives[k - 1].step(x, attn_in, positions, [cache], keep=keep, gap=module.gap)[0][0]
         out = module.block.step(x, attn_in, positions, [cache], gap=module.gap)[0]
         if not keep:  # a draft query: its key came from draft tokens
             cache.truncate(before)

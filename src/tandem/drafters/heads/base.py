@@ -66,8 +66,12 @@ class TargetParts:
     All three return float32. `from_loaded` builds float32 copies (training); `serving` wraps the
     target's own (possibly quantized, bf16) modules so drafting costs what the target's head costs.
     lm_head_weight / embed_weight: the float32 [V, H] LM head and (unscaled) embedding weights
-    (heads with a reduced vocabulary slice the first; draft_model exports both), None when serving. layer_weights(i): float32 weights of decoder layer i by role ("attn_norm",
-    "qkv", "o", "mlp_norm", "gate_up", "down"), for heads initialised from target layers.
+    (heads with a reduced vocabulary slice the first; draft_model exports both), None when serving.
+    layer_weights(i): float32 weights of decoder layer i by role ("attn_norm", "qkv", "o",
+    "mlp_norm", "gate_up", "down"), for heads initialised from target layers.
+    embed_table / embed_scale: when serving, the target's own embedding table (no copy) and the
+    scale `embed` applies (1.0 where it has none), for native drafting loops that look tokens up
+    themselves (heads/native.py).
     """
 
     config: ModelConfig
@@ -78,6 +82,8 @@ class TargetParts:
     lm_head_weight: torch.Tensor | None = None
     layer_weights: Callable[[int], dict[str, torch.Tensor]] | None = None
     embed_weight: torch.Tensor | None = None
+    embed_table: torch.Tensor | None = None
+    embed_scale: float = 1.0
 
     @classmethod
     def from_loaded(cls, loaded: Any) -> "TargetParts":
@@ -130,7 +136,8 @@ class TargetParts:
         def lm_head(x: torch.Tensor) -> torch.Tensor:
             return _softcap(model.lm_head(x.to(dtype)).float(), cfg.final_logit_softcap)
 
-        return cls(cfg, loaded.name, embed, lm_head, final_norm)
+        scale = model.embed_scale if model.embed_scale is not None else 1.0
+        return cls(cfg, loaded.name, embed, lm_head, final_norm, embed_table=model.embed.detach(), embed_scale=scale)
 
     def signature(self) -> torch.Tensor:
         """[SIGNATURE_ROWS, H] float32: embeddings of evenly spaced ids, recorded with a head so

@@ -128,7 +128,12 @@ class DFlashHead(FusedLayersVocab, DraftHead):
 
     def context(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target's hidden states of `layers` [..., H] each -> context features [..., H]."""
-        return self.context_norm(self.fc(torch.cat([hidden[i].float() for i in self.layers], dim=-1)))
+        return self.context_norm(self.context_projection(hidden))
+
+    def context_projection(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The context features before context_norm (which the block kernels fuse into the
+        draft layers' k/v projections)."""
+        return self.fc(torch.cat([hidden[i].float() for i in self.layers], dim=-1))
 
     def block_input(self, anchor_emb: torch.Tensor, size: int) -> torch.Tensor:
         """[..., H] anchor embeddings -> [..., size, H] block inputs [anchor, MASK x (size-1)]."""

@@ -72,13 +72,36 @@ class FeatureHead(DraftHead):
         """The target's hidden states of the declared layers [..., H] -> the feature [..., H]."""
         raise NotImplementedError
 
+    def raw_layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, attention input before input_norms) of the draft layer from
+        embedding and feature."""
+        raise NotImplementedError
+
+    @property
+    def input_norms(self) -> tuple[nn.RMSNorm, ...]:
+        """The norms the raw attention input passes through, one per equal piece of it."""
+        raise NotImplementedError
+
     def layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, attention input) of the draft layer from embedding and feature."""
-        raise NotImplementedError
+        resid, raw = self.raw_layer_input(emb, feat)
+        norms = self.input_norms
+        pieces = raw.chunk(len(norms), dim=-1)
+        return resid, torch.cat([norm(piece) for norm, piece in zip(norms, pieces)], dim=-1)
 
     def head_logits(self, out: torch.Tensor, target: TargetParts) -> torch.Tensor:
         """Draft layer output [..., H] -> logits over the head's vocabulary."""
         raise NotImplementedError
+
+    #: raw_layer_input is (feature, [embedding | feature]): a draft chain can then be run
+    #: without Python between its steps (heads/native.py, NativeBlock.chain).
+    input_is_embedding_and_feature = False
+
+    @property
+    def vocab_head(self) -> tuple[nn.RMSNorm, nn.Module] | None:
+        """(norm, projection) when head_logits is projection(norm(out)), the head's own; None
+        when it is the target's LM head (EAGLE-1)."""
+        return None
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Indices into head_logits' vocabulary -> target token ids."""
@@ -171,9 +194,13 @@ class EagleHead(FeatureHead):
     def fuse(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         return hidden[self.num_layers_target].float()
 
-    def layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def raw_layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.fc(torch.cat([emb, feat], dim=-1))
-        return z, self.norm(z)
+        return z, z
+
+    @property
+    def input_norms(self) -> tuple[nn.RMSNorm, ...]:
+        return (self.norm,)
 
     def head_logits(self, out: torch.Tensor, target: TargetParts) -> torch.Tensor:
         return target.lm_head(out)

@@ -164,8 +164,18 @@ class Eagle3Head(FusedLayersVocab, FeatureHead):
     def fuse(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         return self.fc(torch.cat([hidden[i].float() for i in self.layers], dim=-1))
 
-    def layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return feat, torch.cat([self.embed_norm(emb), self.feature_norm(feat)], dim=-1)
+    input_is_embedding_and_feature = True
+
+    def raw_layer_input(self, emb: torch.Tensor, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return feat, torch.cat([emb, feat], dim=-1)
+
+    @property
+    def input_norms(self) -> tuple[nn.RMSNorm, ...]:
+        return (self.embed_norm, self.feature_norm)
+
+    @property
+    def vocab_head(self) -> tuple[nn.RMSNorm, nn.Module]:
+        return (self.out_norm, self.lm_head)
 
     def head_logits(self, out: torch.Tensor, target: TargetParts) -> torch.Tensor:
         return self.lm_head(self.out_norm(out))

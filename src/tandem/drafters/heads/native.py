@@ -1,17 +1,22 @@
-"""A draft layer's steps on tandem's block kernels: native calls instead of per-op PyTorch.
+"""A draft layer's steps on tandem's block kernels: one native call per step for every request.
 
 A served DraftBlock whose linears are 8-bit block linears (serving.serving_kernels) decodes through
-the kernels the target's fused path uses: the qkv projection; RoPE, the write of the new keys and
-values into the request's RowCache and attention, in one call (kernels.attend); the o projection
-with the residual add; the MLP norm fused into gate_up; the activation fused into down with the
-residual add. A step costs four linears over all requests' rows together plus one attention call
-per request, whatever the batch, where the PyTorch path runs about thirty small operators.
+the kernels the target's fused path uses, in one call (kernels.draft_layer) over the rows of all
+the requests of a step: the attention input's norms fused into the qkv projection (one norm, or
+EAGLE-3's two over [embedding | feature]); RoPE, the write of the new keys and values into each
+request's RowCache and attention; the o projection with the residual add; the MLP norm fused into
+gate_up; the activation fused into down with the residual add; and, for a head with its own
+vocabulary projection, the norm before it and the logits of the rows that draft. The PyTorch path
+runs about thirty small operators per step, and an earlier version of this one six native calls
+plus the norms in torch: per draft token the Python between the kernels cost about twice the
+kernels themselves.
 
-What a query sees is given to the kernel as TreeKeys: a prefix of cache slots [0, hi) and then a
-list of further slots. A chain step's query sees [0, its own slot]; a tree node's, the committed
-prefix and its own path; a DFlash block row's, the whole context and the whole block; an MTP
-module's, the keys at least its gap behind it and its own. Drafts only
-propose, so the kernels' rounding (RoPE from fp32 tables, fused norms) never reaches the output.
+What a query sees: a chain's rows (the default), each at a position after every key its cache
+holds, see their cache up to their own slot; otherwise the kernel is given TreeKeys, a prefix of
+cache slots [0, hi) and then a list of further slots. A tree node's are the committed prefix and
+its own path; a DFlash block row's, the whole context and the whole block; an MTP module's, the
+keys at least its gap behind it and its own. Drafts only propose, so the kernels' rounding (RoPE
+from fp32 tables, fused norms) never reaches the output.
 """
 
 from __future__ import annotations
@@ -22,118 +27,251 @@ from tandem.drafters.heads.block import DraftBlock, RowCache
 from tandem.model.block_linear import BlockQ8Linear
 from tandem.model.kernels import (
     GEGLU,
+    IDENTITY,
     RMS_NORM,
+    RMS_NORM_HALVES,
     SWIGLU,
     BlockKernels,
+    DecoderShape,
+    DraftChain,
+    DraftLayer,
+    DraftRows,
+    LayerParts,
     TreeKeys,
     block_kernels,
+    decoder_layers,
 )
 
 MIN_POSITIONS = 1024  # rope table rows built at first; doubled whenever a position needs more
 
 
 class NativeBlock:
-    """DraftBlock.step on the block kernels (see the module docstring). Build with `of`."""
+    """DraftBlock.step on the block kernels (see the module docstring). Build with `of`.
 
-    def __init__(self, block: DraftBlock, kernels: BlockKernels) -> None:
+    input_norms: the RMSNorms the layer's attention input passes through first, fused into its
+    qkv projection: none (the input comes normed), one, or two that each norm one half of the
+    input (EAGLE-3's [embedding | feature]). vocab: (norm, projection) of a head's own vocabulary
+    after the layer, whose logits `step` can return in the same call.
+    """
+
+    def __init__(self, block: DraftBlock, kernels: BlockKernels, input_norms: tuple[torch.nn.RMSNorm, ...] = (),
+                 vocab: tuple[torch.nn.RMSNorm, BlockQ8Linear] | None = None) -> None:
         self.block, self.kernels = block, kernels
         self.qkv, self.o = block.qkv.blocks(kernels), block.o.blocks(kernels)
         self.gate_up, self.down = block.gate_up.blocks(kernels), block.down.blocks(kernels)
-        self.mlp_norm, self.eps = _norm_parts(block.mlp_norm)
-        self.activation = SWIGLU if block.activation == "silu" else GEGLU
+        self.mlp_norm, eps = _norm_parts(block.mlp_norm)
+        activation = SWIGLU if block.activation == "silu" else GEGLU
+        self.shape = DecoderShape(self.o.out_features, block.heads, block.kv_heads, block.head_dim, eps, block.scale,
+                                  activation)
+        self.attn_transform, self.attn_norm, self.attn_eps = _input_transform(input_norms)
+        self.vocab = self.vocab_norm = None
+        self.vocab_eps = 0.0
+        if vocab is not None:
+            norm, projection = vocab
+            self.vocab = projection.blocks(kernels)
+            self.vocab_norm, self.vocab_eps = _norm_parts(norm)
         self.cos = self.sin = torch.empty(0)
+        self.layer: DraftLayer | None = None
 
     @classmethod
-    def of(cls, block: DraftBlock) -> "NativeBlock | None":
+    def of(cls, block: DraftBlock, input_norms: tuple[torch.nn.RMSNorm, ...] = (),
+           vocab: tuple[torch.nn.RMSNorm, torch.nn.Module] | None = None) -> "NativeBlock | None":
         """The native path of a served block, or None where it cannot run (no kernels, or
-        linears that are not 8-bit blocks, e.g. a head trained and drafted on a GPU)."""
+        linears that are not 8-bit blocks, e.g. a head trained and drafted on a GPU). A vocab
+        projection that is not an 8-bit block linear stays out (its logits are then the
+        caller's to compute)."""
         kernels = block_kernels()
         linears = (block.qkv, block.o, block.gate_up, block.down)
         if kernels is None or not all(isinstance(m, BlockQ8Linear) for m in linears):
             return None
-        return cls(block, kernels)
+        if vocab is not None and not isinstance(vocab[1], BlockQ8Linear):
+            vocab = None
+        return cls(block, kernels, input_norms, vocab)
 
-    @classmethod
-    def all_of(cls, blocks: list[DraftBlock]) -> "list[NativeBlock] | None":
-        """The native paths of a head's blocks, or None unless every one of them has one."""
-        natives = [cls.of(block) for block in blocks]
-        return natives if all(n is not None for n in natives) else None
+    @property
+    def has_vocab(self) -> bool:
+        return self.vocab is not None
 
-    def _tables(self, positions: int) -> None:
-        """cos and sign-folded sin [P, D] (the layout kernels.attend reads) for P > positions."""
-        if positions < len(self.cos):
-            return
-        size = max(MIN_POSITIONS, 2 * positions)
-        freqs = torch.arange(size, dtype=torch.float32).unsqueeze(-1) * self.block.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = emb.shape[-1] // 2
-        sin = emb.sin()
-        self.cos = emb.cos().contiguous()
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).contiguous()
+    def _tables(self, positions: int) -> DraftLayer:
+        """The layer record, with rope tables (cos and sign-folded sin [P, D], the layout the
+        kernels read) for P > positions; rebuilt when a position needs longer tables."""
+        if positions >= len(self.cos) or self.layer is None:
+            size = max(MIN_POSITIONS, 2 * positions, len(self.cos))
+            freqs = torch.arange(size, dtype=torch.float32).unsqueeze(-1) * self.block.inv_freq.float()
+            emb = torch.cat((freqs, freqs), dim=-1)
+            half = emb.shape[-1] // 2
+            sin = emb.sin()
+            self.cos = emb.cos().contiguous()
+            self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).contiguous()
+            parts = LayerParts(self.qkv, self.o, self.gate_up, self.down, self.attn_norm, self.mlp_norm, None,
+                               self.cos, self.sin)
+            self.layer = DraftLayer(decoder_layers([parts]), self.shape, self.attn_transform, self.attn_eps,
+                                    self.vocab, self.vocab_norm, self.vocab_eps)
+        return self.layer
 
     def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
-             masks: list[torch.Tensor] | None = None, keep: bool = True, gap: int = 1,
-             attn_norm: torch.nn.RMSNorm | None = None, whole: bool = False) -> torch.Tensor:
-        """DraftBlock.step: R requests, t new rows each; x [R, t, H], attn_in [R, t, Din],
-        positions [R, t]. The rows' keys are written to each cache after its `length` slots;
-        keep=False leaves `length` as it was (the slots are scratch: a draft query, a DFlash
-        block). masks: per request [t, n] bool over the cache slots after the append; None: the
+             masks: list[torch.Tensor] | None = None, keep: bool = True, gap: int = 1, whole: bool = False,
+             logits: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DraftBlock.step: R requests, t new rows each; x [R, t, H], attn_in [R, t, Din] (before
+        the input norms), positions [R, t]. The rows' keys are written to each cache after its
+        `length` slots; keep=False leaves `length` as it was (the slots are scratch: a draft
+        query, a DFlash block). masks: per request [t, n] bool over the cache slots after the
+        append, or the same visibility as TreeKeys (path_keys: cheaper to build); None: the
         positional rule of DraftBlock (a key is visible at its own slot or at a position <= the
-        query's - gap), for caches whose positions ascend. whole: every row sees every slot, the
-        cache's and this step's (a DFlash block). attn_norm: an RMSNorm the qkv projection
-        applies to attn_in first (fused into it)."""
+        query's - gap). whole: every row sees every slot, the cache's and this step's (a DFlash
+        block).
+
+        Returns the output [R, t, H] and, with a vocab and logits "all" or "last", the logits of
+        every row [R * t, V'] or of each request's last row [R, V'] (else None)."""
         R, t, H = x.shape
-        x2 = x.reshape(R * t, H).float().contiguous().clone()
-        attn = self._attend(attn_in, positions, caches, masks, keep, gap, attn_norm, whole)
-        k = self.kernels
-        k.linear(attn, self.o, residual=x2, out=x2)
-        gate_up = k.linear(x2, self.gate_up, transform=RMS_NORM, norm_weight=self.mlp_norm, eps=self.eps)
-        k.linear(gate_up, self.down, transform=self.activation, residual=x2, out=x2)
-        return x2.reshape(R, t, H)
-
-    def write_keys(self, attn_in: torch.Tensor, positions: torch.Tensor, cache: RowCache) -> None:
-        """Append the keys and values of rows attn_in [1, t, Din] at positions [1, t] to the
-        cache, causally, without the rest of the layer (context rows whose outputs nobody reads)."""
-        self._attend(attn_in, positions, [cache], None, True, 1, None, False)
-
-    def _attend(self, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
-                masks: list[torch.Tensor] | None, keep: bool, gap: int,
-                attn_norm: torch.nn.RMSNorm | None, whole: bool) -> torch.Tensor:
-        """qkv projection, then per request RoPE + cache write + attention: [R * t, heads * D]."""
-        k, blk = self.kernels, self.block
-        R, t = positions.shape
-        rows = attn_in.reshape(R * t, -1).float().contiguous()
-        if attn_norm is None:
-            qkv = k.linear(rows, self.qkv)
-        else:
-            weight, eps = _norm_parts(attn_norm)
-            qkv = k.linear(rows, self.qkv, transform=RMS_NORM, norm_weight=weight, eps=eps)
-        self._tables(int(positions.max()) + 1)
-        attn = []
+        out = x.reshape(R * t, H).float().contiguous().clone()
+        rows_in = attn_in.reshape(R * t, -1).float().contiguous()
+        layer = self._tables(int(positions.max()) + 1)
+        pos = positions.reshape(-1).to(torch.int64).cpu().contiguous()
+        seq, slot, keys = [], [], []
         for r, cache in enumerate(caches):
             cache.reserve(t)
-            slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
-            rows = positions[r].to(torch.int64)
+            seq.extend([r] * t)
+            slot.extend(range(cache.length, cache.length + t))
             if whole:
-                keys = TreeKeys(rows, torch.full((t,), cache.length + t, dtype=torch.int64),
-                                torch.zeros(t + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
-            elif masks is None:
-                keys = _positional_keys(torch.cat([cache.positions[: cache.length].cpu(), rows.cpu()]), slots, gap)
+                keys.append(_all_keys(positions[r], cache.length + t))
+            elif masks is not None:
+                keys.append(masks[r] if isinstance(masks[r], TreeKeys) else _mask_keys(masks[r], positions[r]))
+            elif gap != 1 or not _after_cache(cache, positions[r]):
+                slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
+                keys.append(_positional_keys(torch.cat([cache.positions[: cache.length].cpu(), positions[r].cpu()]),
+                                             slots, gap))
             else:
-                keys = _mask_keys(masks[r], rows)
-            attn.append(k.attend(qkv[r * t : (r + 1) * t], torch.zeros(t, dtype=torch.int64), slots, self.cos, self.sin,
-                                 cache.k.unsqueeze(0), cache.v.unsqueeze(0), blk.heads, blk.kv_heads, None, blk.scale,
-                                 tree=keys))
+                keys.append(None)
+        tree = None if all(k is None for k in keys) else _joined(keys, pos, slot, t)
+        rows = DraftRows(torch.tensor(seq, dtype=torch.int64), torch.tensor(slot, dtype=torch.int64), pos, tree)
+        logit_rows = {None: None, "all": (0, 1, R * t), "last": (t - 1, t, R)}[logits]
+        out_logits = self.kernels.draft_layer(layer, out, rows_in, rows, [(c.k, c.v) for c in caches], logit_rows)
+        for r, cache in enumerate(caches):
             cache.positions[cache.length : cache.length + t] = positions[r]
             if keep:
                 cache.length += t
-        return torch.cat(attn)
+        return out.reshape(R, t, H), out_logits
+
+    def chain(self, feat: torch.Tensor, logits: torch.Tensor, caches: list[RowCache], positions: list[int],
+              budgets: list[int], vocab_ids: torch.Tensor | None, embed: torch.Tensor,
+              embed_scale: float) -> list[list[int]]:
+        """Greedy drafts of R requests in one native call (kernels.draft_chain), for a layer
+        whose raw input is [embedding | feature] with the feature as its residual stream
+        (EAGLE-3) and that has its vocabulary head: from each request's feat [R, H] and logits
+        [R, V'] (of its last fed row), argmax tokens (mapped through vocab_ids to target ids),
+        each fed at positions[r] + s with the feature that produced it, until budgets[r] tokens
+        or a logits row that is not finite. The steps' keys are written after each cache's
+        `length`, which does not move (they are scratch: the next round's keys come from true
+        features). Returns each request's draft tokens."""
+        layer = self._tables(max(p + b for p, b in zip(positions, budgets)) + 1)
+        for cache, budget in zip(caches, budgets):
+            cache.reserve(budget)
+        chain = DraftChain(feat.float().contiguous(), logits.float().contiguous(),
+                           torch.tensor([c.length for c in caches], dtype=torch.int64),
+                           torch.tensor(positions, dtype=torch.int64), torch.tensor(budgets, dtype=torch.int64),
+                           None if vocab_ids is None else vocab_ids.to(torch.int64).contiguous(),
+                           embed, float(embed_scale))
+        tokens = self.kernels.draft_chain(layer, chain, [(c.k, c.v) for c in caches])
+        return [[t for t in row if t >= 0] for row in tokens.tolist()]
+
+    def write_keys(self, attn_in: torch.Tensor, positions: torch.Tensor, cache: RowCache,
+                   norm: torch.nn.RMSNorm | None = None) -> None:
+        """Append the keys and values of rows attn_in [1, t, Din] at positions [1, t] to the
+        cache, causally, without the rest of the layer (context rows whose outputs nobody reads).
+        Their input goes to the qkv projection through `norm` (fused), not the input norms."""
+        k, blk = self.kernels, self.block
+        t = positions.shape[1]
+        rows = attn_in.reshape(t, -1).float().contiguous()
+        if norm is None:
+            qkv = k.linear(rows, self.qkv)
+        else:
+            weight, eps = _norm_parts(norm)
+            qkv = k.linear(rows, self.qkv, transform=RMS_NORM, norm_weight=weight, eps=eps)
+        self._tables(int(positions.max()) + 1)
+        cache.reserve(t)
+        slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
+        pos = positions[0].to(torch.int64).cpu()
+        keys = _positional_keys(torch.cat([cache.positions[: cache.length].cpu(), pos]), slots, 1)
+        k.attend(qkv, torch.zeros(t, dtype=torch.int64), slots, self.cos, self.sin, cache.k.unsqueeze(0),
+                 cache.v.unsqueeze(0), blk.heads, blk.kv_heads, None, blk.scale, tree=keys)
+        cache.positions[cache.length : cache.length + t] = positions[0]
+        cache.length += t
+
+
+def path_keys(prefix: int, paths: list[list[int]], positions: torch.Tensor) -> TreeKeys:
+    """Rows that each see cache slots [0, prefix) and then the slots of their own path (root
+    first, the row's own slot last), at rope positions [t]: a tree's frontier."""
+    offsets = [0]
+    for path in paths:
+        offsets.append(offsets[-1] + len(path))
+    return TreeKeys(positions.to(torch.int64).cpu(), torch.full((len(paths),), prefix, dtype=torch.int64),
+                    torch.tensor(offsets, dtype=torch.int64), torch.tensor([s for p in paths for s in p], dtype=torch.int64))
+
+
+def path_mask(prefix: int, paths: list[list[int]], slots: int) -> torch.Tensor:
+    """path_keys as a [t, slots] bool mask (DraftBlock.step's form)."""
+    mask = torch.zeros(len(paths), slots, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for j, path in enumerate(paths):
+        mask[j, path] = True
+    return mask
+
+
+def _input_transform(norms: tuple[torch.nn.RMSNorm, ...]) -> tuple[int, torch.Tensor | None, float]:
+    """(transform, norm weight, eps) the qkv projection applies to the attention input."""
+    if not norms:
+        return IDENTITY, None, 0.0
+    parts = [_norm_parts(norm) for norm in norms]
+    if len(parts) == 1:
+        return RMS_NORM, parts[0][0], parts[0][1]
+    (wa, ea), (wb, eb) = parts if len(parts) == 2 else (None, None)
+    if len(parts) != 2 or ea != eb or len(wa) != len(wb):
+        raise ValueError("a draft layer's input takes one norm, or two of the same width and eps (one per half)")
+    return RMS_NORM_HALVES, torch.cat([wa, wb]).contiguous(), ea
 
 
 def _norm_parts(norm: torch.nn.RMSNorm) -> tuple[torch.Tensor, float]:
     """An RMSNorm's weight as the kernels read it, and its eps (torch's default when unset)."""
     eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
     return norm.weight.detach().float().contiguous(), eps
+
+
+def _after_cache(cache: RowCache, positions: torch.Tensor) -> bool:
+    """Whether rows at `positions` [t] come, in ascending order, after every key of the cache:
+    then the positional rule at gap 1 lets each see exactly the slots up to its own."""
+    rows = positions.tolist()
+    if any(b <= a for a, b in zip(rows, rows[1:])):
+        return False
+    return cache.length == 0 or int(cache.positions[cache.length - 1]) < rows[0]
+
+
+def _all_keys(positions: torch.Tensor, slots: int) -> TreeKeys:
+    """Every row sees slots [0, slots): the cache and the whole block."""
+    t = len(positions)
+    return TreeKeys(positions.to(torch.int64).cpu(), torch.full((t,), slots, dtype=torch.int64),
+                    torch.zeros(t + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+
+def _chain_keys(slots: list[int], positions: torch.Tensor) -> TreeKeys:
+    """Each row sees the slots up to its own (what the kernel does without TreeKeys)."""
+    t = len(slots)
+    return TreeKeys(positions.to(torch.int64).cpu(), torch.tensor(slots, dtype=torch.int64) + 1,
+                    torch.zeros(t + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+
+def _joined(keys: list[TreeKeys | None], pos: torch.Tensor, slot: list[int], t: int) -> TreeKeys:
+    """The requests' TreeKeys (t rows each) as one over all rows of the call, a request without
+    any getting its chain rule spelled out; key lists concatenated, their offsets shifted."""
+    parts = [key if key is not None else _chain_keys(slot[r * t : (r + 1) * t], pos[r * t : (r + 1) * t])
+             for r, key in enumerate(keys)]
+    offsets, shift = [], 0
+    for key in parts:
+        offsets.append(key.key_off[:-1] + shift)
+        shift += int(key.key_off[-1])
+    offsets.append(torch.tensor([shift], dtype=torch.int64))
+    return TreeKeys(torch.cat([k.pos for k in parts]), torch.cat([k.hi for k in parts]), torch.cat(offsets),
+                    torch.cat([k.keys for k in parts]))
 
 
 def _positional_keys(positions: torch.Tensor, slots: torch.Tensor, gap: int) -> TreeKeys:
@@ -156,4 +294,4 @@ def _mask_keys(mask: torch.Tensor, positions: torch.Tensor) -> TreeKeys:
         rest.append(row[hi:].nonzero().flatten() + hi)
     offsets = torch.tensor([0] + [len(r) for r in rest], dtype=torch.int64).cumsum(0)
     keys = torch.cat(rest).to(torch.int64) if rest else torch.zeros(0, dtype=torch.int64)
-    return TreeKeys(positions, torch.tensor(his, dtype=torch.int64), offsets, keys)
+    return TreeKeys(positions.to(torch.int64).cpu(), torch.tensor(his, dtype=torch.int64), offsets, keys)

@@ -87,6 +87,26 @@ def cpu_name() -> str:
     return "unknown CPU"
 
 
+def cpu_model() -> str | None:
+    """'family F model M' of the CPU (one model name covers several generations: AMD EPYC is
+    Zen 3 at family 25 model 1, Zen 4 at 25/17, Zen 5 at 26/2), or None where /proc/cpuinfo
+    does not say."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip():
+                break
+    except OSError:
+        return None
+    if "cpu family" not in fields or "model" not in fields:
+        return None
+    return f"family {fields['cpu family']} model {fields['model']}"
+
+
 def _compile_flags(variant: Variant, flags: frozenset[str]) -> tuple[str, ...] | None:
     for needed, compile_flags in zip(variant.cpu_flags, variant.compile_flags):
         if set(needed) <= flags:
@@ -132,7 +152,9 @@ def kernel_description() -> str:
     return f"tandem {k.variant}" if k is not None else "torch int4/int8"
 
 
-IDENTITY, RMS_NORM, SWIGLU, GEGLU = 0, 1, 2, 3  # input transforms fused into a linear
+# Input transforms fused into a linear; RMS_NORM_HALVES norms each half of a row on its own
+# (EAGLE-3's [embedding | feature] attention input).
+IDENTITY, RMS_NORM, SWIGLU, GEGLU, RMS_NORM_HALVES = 0, 1, 2, 3, 4
 
 
 class _Weights(ctypes.Structure):
@@ -159,6 +181,8 @@ class _AttendArgs(ctypes.Structure):
         ("M", ctypes.c_int64), ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
         ("threads", ctypes.c_int), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
         ("kv_half", ctypes.c_int),
+        ("seq_k", ctypes.POINTER(ctypes.c_void_p)), ("seq_v", ctypes.POINTER(ctypes.c_void_p)),
+        ("seq_M", ctypes.c_void_p),
     ]
 
 
@@ -181,6 +205,31 @@ class _DecoderArgs(ctypes.Structure):
         ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hi", ctypes.c_void_p),
         ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("M", ctypes.c_int64), ("layer_stride", ctypes.c_int64),
         ("capture", ctypes.POINTER(ctypes.c_void_p)), ("threads", ctypes.c_int), ("kv_half", ctypes.c_int),
+    ]
+
+
+class _DraftLayerArgs(ctypes.Structure):
+    _fields_ = [
+        ("layer", ctypes.POINTER(_DecoderLayer)),
+        ("H", ctypes.c_int64), ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int),
+        ("x", ctypes.c_void_p), ("attn_in", ctypes.c_void_p), ("attn_width", ctypes.c_int64),
+        ("attn_transform", ctypes.c_int), ("attn_eps", ctypes.c_float), ("T", ctypes.c_int64),
+        ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hi", ctypes.c_void_p),
+        ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p),
+        ("seq_k", ctypes.POINTER(ctypes.c_void_p)), ("seq_v", ctypes.POINTER(ctypes.c_void_p)), ("seq_M", ctypes.c_void_p),
+        ("head", ctypes.POINTER(_Weights)), ("head_norm", ctypes.c_void_p), ("head_eps", ctypes.c_float),
+        ("head_first", ctypes.c_int64), ("head_stride", ctypes.c_int64), ("head_rows", ctypes.c_int64),
+        ("logits", ctypes.c_void_p), ("threads", ctypes.c_int), ("kv_half", ctypes.c_int),
+    ]
+
+
+class _DraftChainArgs(ctypes.Structure):
+    _fields_ = [
+        ("layer", _DraftLayerArgs), ("R", ctypes.c_int64), ("feat", ctypes.c_void_p), ("logits", ctypes.c_void_p),
+        ("slot0", ctypes.c_void_p), ("pos0", ctypes.c_void_p), ("budget", ctypes.c_void_p), ("width", ctypes.c_int64),
+        ("vocab_ids", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("embed_scale", ctypes.c_float),
+        ("tokens", ctypes.c_void_p),
     ]
 
 
@@ -247,10 +296,13 @@ class BlockKernels:
         self._linear = lib.tandem_linear
         self._attend = lib.tandem_attend
         self._decoder = lib.tandem_decoder_forward
+        self._draft_layer = lib.tandem_draft_layer
+        self._draft_chain = lib.tandem_draft_chain
         self._peak = lib.tandem_int8_peak
         self._peak.argtypes = [ctypes.c_int64, ctypes.c_int]
         self._peak.restype = ctypes.c_int64
-        for fn, args in ((self._linear, _LinearCall), (self._attend, _AttendArgs), (self._decoder, _DecoderArgs)):
+        for fn, args in ((self._linear, _LinearCall), (self._attend, _AttendArgs), (self._decoder, _DecoderArgs),
+                         (self._draft_layer, _DraftLayerArgs), (self._draft_chain, _DraftChainArgs)):
             fn.argtypes = [ctypes.POINTER(args)]
             fn.restype = None
 
@@ -337,6 +389,70 @@ class BlockKernels:
         )
         self._decoder(ctypes.byref(args))
 
+    def draft_layer(self, layer: "DraftLayer", x: torch.Tensor, attn_in: torch.Tensor, rows: "DraftRows",
+                    caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    logit_rows: tuple[int, int, int] | None = None) -> torch.Tensor | None:
+        """One draft head layer over x [T, H] in place (block_matmul.cpp draft_layer): the
+        attention input attn_in [T, Din] (transformed as the layer says), per request r the
+        caches[r] = (k, v) [Hkv, M_r, D] its rows (rows.seq == r) write and attend over; then,
+        when logit_rows = (first, stride, count) and the layer has a vocabulary head, the logits
+        [count, V'] of output rows first, first + stride, ... (returned; else None)."""
+        logits = None
+        if logit_rows is not None and layer.vocab is not None:
+            logits = torch.empty(logit_rows[2], layer.vocab.out_features, dtype=torch.float32)
+        else:
+            logit_rows = None
+        tree = rows.keys
+        hi, key_off, keys = (None,) * 3 if tree is None else (tree.hi, tree.key_off, tree.keys)
+        args, alive = self._draft_layer_args(layer, caches, logit_rows is not None)
+        args.x, args.attn_in, args.attn_width, args.T = _ptr(x), _ptr(attn_in), attn_in.shape[1], x.shape[0]
+        args.seq, args.slot, args.pos = _ptr(rows.seq), _ptr(rows.slot), _ptr(rows.pos)
+        args.hi, args.key_off, args.keys = _ptr(hi), _ptr(key_off), _ptr(keys)
+        if logit_rows is not None:
+            args.head_first, args.head_stride, args.head_rows = logit_rows
+            args.logits = _ptr(logits)
+        self._draft_layer(ctypes.byref(args))
+        del alive
+        return logits
+
+    def draft_chain(self, layer: "DraftLayer", chain: "DraftChain",
+                    caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Greedy draft steps for R requests in one call (block_matmul.cpp draft_chain), for a
+        layer with a vocabulary head whose input is [embedding | feature]: the keys of step s
+        of request r go to slot chain.slot0[r] + s of caches[r], which must have room for
+        budget[r] - 1 steps. Returns the drafted target ids [R, max budget], -1 past each
+        request's chain."""
+        if layer.vocab is None:
+            raise ValueError("a draft chain needs a layer with its vocabulary head")
+        R = len(caches)
+        width = int(chain.budget.max())
+        tokens = torch.empty(R, width, dtype=torch.int64)
+        args, alive = self._draft_layer_args(layer, caches, True)
+        call = _DraftChainArgs(args, R, _ptr(chain.feat), _ptr(chain.logits), _ptr(chain.slot0), _ptr(chain.pos0),
+                               _ptr(chain.budget), width, _ptr(chain.vocab_ids), _ptr(chain.embed), chain.embed_scale,
+                               _ptr(tokens))
+        self._draft_chain(ctypes.byref(call))
+        del alive
+        return tokens
+
+    def _draft_layer_args(self, layer: "DraftLayer", caches: list[tuple[torch.Tensor, torch.Tensor]],
+                          with_head: bool) -> tuple["_DraftLayerArgs", tuple]:
+        """The fields of a draft layer call that do not depend on its rows, and the objects
+        they point into (kept alive by the caller until the call returns)."""
+        shape, R = layer.shape, len(caches)
+        k_ptrs = (ctypes.c_void_p * R)(*[_ptr(k) for k, _ in caches])
+        v_ptrs = (ctypes.c_void_p * R)(*[_ptr(v) for _, v in caches])
+        capacity = torch.tensor([k.shape[1] for k, _ in caches], dtype=torch.int64)
+        head = ctypes.pointer(layer.vocab.record) if with_head else None
+        args = _DraftLayerArgs(
+            ctypes.cast(layer.record, ctypes.POINTER(_DecoderLayer)), shape.hidden, shape.num_heads,
+            shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale, shape.activation, None, None, 0,
+            layer.attn_transform, layer.attn_eps, 0, None, None, None, None, None, None, k_ptrs, v_ptrs,
+            _ptr(capacity), head, _ptr(layer.vocab_norm), layer.vocab_eps, 0, 0, 0, None, torch.get_num_threads(),
+            _kv_half(caches[0][0], caches[0][1]),
+        )
+        return args, (k_ptrs, v_ptrs, capacity, head)
+
 
 @dataclass(frozen=True)
 class DecoderShape:
@@ -358,7 +474,7 @@ class LayerParts:
     o: BlockWeights
     gate_up: BlockWeights
     down: BlockWeights
-    attn_norm: torch.Tensor
+    attn_norm: torch.Tensor | None  # None: a draft layer's attention input is used as it comes
     mlp_norm: torch.Tensor
     window: int | None
     cos: torch.Tensor  # [P, D] this layer's rope table, sin sign-folded
@@ -391,6 +507,52 @@ class TreeKeys:
     hi: torch.Tensor
     key_off: torch.Tensor
     keys: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """Where the T rows of a draft layer call go, as int64 CPU tensors: seq [T] the request
+    (index into the call's caches), slot [T] the cache slot its key is written to, pos [T] its
+    rope position; keys: what each row attends to (TreeKeys, whose pos supersedes pos), or None
+    for slots [0, slot] of its own cache (a chain)."""
+
+    seq: torch.Tensor
+    slot: torch.Tensor
+    pos: torch.Tensor
+    keys: TreeKeys | None = None
+
+
+@dataclass(frozen=True)
+class DraftLayer:
+    """A draft head's decoder layer as tandem_draft_layer reads it: the layer record (one
+    _DecoderLayer; its attn_norm is the attention input's norm, used by attn_transform), and the
+    head's vocabulary projection with the norm before it, or None."""
+
+    record: ctypes.Array  # decoder_layers([LayerParts]): one record
+    shape: DecoderShape
+    attn_transform: int
+    attn_eps: float
+    vocab: BlockWeights | None
+    vocab_norm: torch.Tensor | None
+    vocab_eps: float
+
+
+@dataclass(frozen=True)
+class DraftChain:
+    """The inputs of a greedy draft chain over R requests (BlockKernels.draft_chain): feat
+    [R, H] and logits [R, V'] float32 of each request's last fed row, slot0/pos0/budget [R]
+    int64 (the first draft step's cache slot and position, the tokens to draft), vocab_ids [V']
+    int64 (draft index -> target id) or None, and the target's float32 embedding [V, H] with
+    its scale (1.0 where it has none)."""
+
+    feat: torch.Tensor
+    logits: torch.Tensor
+    slot0: torch.Tensor
+    pos0: torch.Tensor
+    budget: torch.Tensor
+    vocab_ids: torch.Tensor | None
+    embed: torch.Tensor
+    embed_scale: float
 
 
 def _build(out: Path, flags: list[str], source: Path) -> None:

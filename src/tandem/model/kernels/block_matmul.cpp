@@ -253,6 +253,8 @@ enum InputTransform : int {
   kRmsNorm = 1,    // x / sqrt(mean(x^2) + eps) * w   (row width K)
   kSwiGLU = 2,     // silu(x[:K]) * x[K:]             (row width 2K: gate then up)
   kGeGLU = 3,      // gelu_tanh(x[:K]) * x[K:]
+  kRmsNormHalves = 4,  // [norm(x[:K/2]) * w[:K/2], norm(x[K/2:]) * w[K/2:]]: EAGLE-3's input
+                       // [embedding | feature], each normed on its own (K/2 a multiple of 8)
 };
 
 // x / sqrt(mean(x^2) + eps) * w over K (a multiple of 8) floats, the squares summed in double.
@@ -278,6 +280,9 @@ void transform_row(const float* src, int64_t K, int transform, const float* w, f
   const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
   if (transform == kRmsNorm) {
     rms_norm_into(src, K, w, eps, dst);
+  } else if (transform == kRmsNormHalves) {
+    rms_norm_into(src, K / 2, w, eps, dst);
+    rms_norm_into(src + K / 2, K / 2, w + K / 2, eps, dst + K / 2);
   } else if (transform == kSwiGLU) {  // g / (1 + e^-g) * u
     for (int64_t j = 0; j < K; j += 8) {
       const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
@@ -529,7 +534,20 @@ struct AttendArgs {
   const float* k_norm;     // [D] the same for k heads
   float norm_eps;
   int kv_half;             // the cache holds fp16
+  // Per-sequence caches instead of kcache/vcache (a drafter's per-request RowCache): sequence
+  // s's keys are seq_k[s] [Hkv, seq_M[s], D] (values seq_v[s]). Null: the shared cache above.
+  void* const* seq_k;
+  void* const* seq_v;
+  const int64_t* seq_M;
 };
+
+// Where kv head h of sequence s starts: in the shared cache [S, Hkv, M, D], or in the
+// sequence's own cache [Hkv, M_s, D].
+template <typename KvT>
+inline KvT* kv_head(const AttendArgs& a, KvT* shared, void* const* own, int64_t s, int64_t h) {
+  if (own) return static_cast<KvT*>(own[s]) + h * a.seq_M[s] * a.D;
+  return shared + (s * a.Hkv + h) * a.M * a.D;
+}
 
 // out[j] = x[j] c[j] + x[(j + D/2) % D] s[j] as one fused multiply-add over the rounded second
 // product (how the compiler contracted the scalar loop this replaces, so results did not move),
@@ -762,7 +780,7 @@ void attend_block(const Query* qs, int n, const KvT* K, const KvT* V, float scal
 // Called by every thread of the team.
 template <typename KvT>
 void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
-  const int64_t T = a.T, Hq = a.Hq, Hkv = a.Hkv, D = a.D, M = a.M;
+  const int64_t T = a.T, Hq = a.Hq, Hkv = a.Hkv, D = a.D;
   const int64_t width = (Hq + 2 * Hkv) * D;
   // Phase 1: rotate k and write k, v of every token (later tokens of a chain attend to them);
   // each token writes its own slot. The loop's barrier orders this before any query reads.
@@ -773,15 +791,15 @@ void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
       const float* row = a.qkv + t * width;
       const int64_t p = a.pos ? a.pos[t] : a.slot[t];
       for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t at = ((a.seq[t] * Hkv + h) * M + a.slot[t]) * D;
+        const int64_t at = a.slot[t] * D;
         const float* k = row + (Hq + h) * D;
         if (a.k_norm) {
           rms_norm_into(k, D, a.k_norm, a.norm_eps, normed.data());
           k = normed.data();
         }
         rope_into(k, a.cos + p * D, a.sin + p * D, D, rotated.data());
-        store_kv(rotated.data(), D, kcache + at);
-        store_kv(row + (Hq + Hkv + h) * D, D, vcache + at);
+        store_kv(rotated.data(), D, kv_head(a, kcache, a.seq_k, a.seq[t], h) + at);
+        store_kv(row + (Hq + Hkv + h) * D, D, kv_head(a, vcache, a.seq_v, a.seq[t], h) + at);
       }
     }
   }
@@ -836,8 +854,8 @@ void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
         scores[j].resize((keys.size() + 7) / 8 * 8);
         qs[j] = {rotated.data() + j * D, keys, scores[j].data(), a.out + t * Hq * D + h * D};
       }
-      const KvT* K = kcache + (a.seq[t_first] * Hkv + kvh) * M * D;
-      const KvT* V = vcache + (a.seq[t_first] * Hkv + kvh) * M * D;
+      const KvT* K = kv_head(a, kcache, a.seq_k, a.seq[t_first], kvh);
+      const KvT* V = kv_head(a, vcache, a.seq_v, a.seq[t_first], kvh);
       if (D == 64) attend_block<64 / kLanes>(qs, n, K, V, a.scale);
       else if (D == 128) attend_block<128 / kLanes>(qs, n, K, V, a.scale);
       else if (D == 256) attend_block<256 / kLanes>(qs, n, K, V, a.scale);
@@ -959,6 +977,157 @@ void decoder_forward(const DecoderArgs& a) {
   }
 }
 
+// ---- a drafter's layer in one call ----------------------------------------------------------
+
+// One decoder layer of a draft head (EAGLE, EAGLE-3, DFlash, MTP) over the rows of several
+// requests, each with a cache of its own, and optionally the head's LM head after it: what a
+// draft step needs in one parallel region instead of four linears, an attention call per
+// request and the norms between them as separate operations.
+struct DraftLayerArgs {
+  const DecoderLayer* layer;  // qkv, o, gate_up, down, mlp_norm, cos/sin; attn_norm: see attn_transform
+  int64_t H, Hq, Hkv, D;
+  float eps, scale;           // eps: the MLP norm's
+  int activation;             // kSwiGLU or kGeGLU
+  float* x;                   // [T, H] the residual stream in, the layer's output out
+  const float* attn_in;       // [T, attn_width] the attention input (may be x itself)
+  int64_t attn_width;
+  int attn_transform;         // kIdentity, kRmsNorm or kRmsNormHalves, with layer->attn_norm
+  float attn_eps;
+  int64_t T;
+  const int64_t* seq;         // [T] the request (index into seq_k/seq_v/seq_M) of each row
+  const int64_t* slot;        // as AttendArgs
+  const int64_t* pos;
+  const int64_t* hi;
+  const int64_t* key_off;
+  const int64_t* keys;
+  void* const* seq_k;         // per request: [Hkv, M_s, D] keys, float32 or fp16 (kv_half)
+  void* const* seq_v;
+  const int64_t* seq_M;
+  const Weights* head;        // the LM head over head_norm(output rows), or null
+  const float* head_norm;     // [H]
+  float head_eps;
+  int64_t head_first, head_stride, head_rows;  // the output rows it reads: x + head_first * H + i * head_stride * H
+  float* logits;              // [head_rows, head->N]
+  int threads;
+  int kv_half;
+};
+
+void draft_layer(const DraftLayerArgs& a) {
+  const DecoderLayer& layer = *a.layer;
+  const int64_t T = a.T, H = a.H;
+  ForwardScratch s;
+  int64_t max_K = 0;
+  for (const Weights* w : {layer.qkv, layer.o, layer.gate_up, layer.down, a.head})
+    if (w) max_K = std::max(max_K, w->K);
+  s.linear.size_for(T, max_K);
+  s.qkv.resize(T * layer.qkv->N);
+  s.gate_up.resize(T * layer.gate_up->N);
+  s.attn.resize(T * a.Hq * a.D);
+#pragma omp parallel num_threads(a.threads)
+  {
+    linear({layer.qkv, a.attn_in, T, a.attn_width, a.attn_transform, layer.attn_norm, a.attn_eps, nullptr, s.qkv.data(), 0},
+           s.linear);
+    attend({s.qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
+            nullptr, nullptr, 0, 0, a.scale, s.attn.data(), a.threads, nullptr, nullptr, a.eps, a.kv_half, a.seq_k,
+            a.seq_v, a.seq_M});
+    linear({layer.o, s.attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, a.x, a.x, 0}, s.linear);
+    linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, s.gate_up.data(), 0}, s.linear);
+    linear({layer.down, s.gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, a.x, a.x, 0}, s.linear);
+    if (a.head)
+      linear({a.head, a.x + a.head_first * H, a.head_rows, a.head_stride * H, kRmsNorm, a.head_norm, a.head_eps,
+              nullptr, a.logits, 0}, s.linear);
+  }
+}
+
+// A greedy chain of draft steps for heads whose layer input is [embedding | feature] with the
+// feature as the residual stream (EAGLE-3): from each request's first logits, the argmax token
+// (in target ids), its embedding beside the feature that produced it, one draft_layer over the
+// requests still drafting, and again, up to each request's budget. A request's chain ends early
+// at a logits row holding a NaN or an infinity (its drafts so far stand), as the Python loop's.
+struct DraftChainArgs {
+  DraftLayerArgs layer;       // one step's call; x, attn_in, T, seq, slot, pos, logits and the head rows are set per step
+  int64_t R;                  // requests; request r's cache is layer.seq_k[r]
+  const float* feat;          // [R, H] the feature each request's first step feeds (the catch-up's last output)
+  const float* logits;        // [R, V'] the logits that give each request's draft token 1
+  const int64_t* slot0;       // [R] the cache slot of each request's first draft step
+  const int64_t* pos0;        // [R] and its position
+  const int64_t* budget;      // [R] draft tokens wanted (>= 1)
+  int64_t width;              // columns of `tokens`, >= every budget
+  const int64_t* vocab_ids;   // [V'] draft index -> target id, or null (the same)
+  const float* embed;         // [V, H] the target's embedding
+  float embed_scale;          // its scale (1 where there is none)
+  int64_t* tokens;            // [R, width] out: target ids, -1 past each request's chain
+};
+
+// The first index of the largest value (numpy's argmax), or -1 when the row is not all finite.
+int64_t finite_argmax(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(row[i])) return -1;
+    if (row[i] > row[best]) best = i;
+  }
+  return best;
+}
+
+void draft_chain(const DraftChainArgs& a) {
+  const int64_t R = a.R, H = a.layer.H, V = a.layer.head->N;
+  std::fill(a.tokens, a.tokens + R * a.width, int64_t{-1});
+  std::vector<int64_t> live(R), kept, kept_tokens, seq, slot, pos;
+  for (int64_t r = 0; r < R; ++r) live[r] = r;
+  std::vector<float> feat(a.feat, a.feat + R * H), logits(a.logits, a.logits + R * V), x, in, next;
+  for (int64_t s = 0;; ++s) {
+    kept.clear();
+    kept_tokens.clear();
+    std::vector<int64_t> kept_rows;
+    for (int64_t j = 0; j < static_cast<int64_t>(live.size()); ++j) {
+      const int64_t r = live[j], best = finite_argmax(logits.data() + j * V, V);
+      if (best < 0) continue;
+      const int64_t token = a.vocab_ids ? a.vocab_ids[best] : best;
+      a.tokens[r * a.width + s] = token;
+      if (s + 1 < a.budget[r]) {
+        kept.push_back(r);
+        kept_rows.push_back(j);
+        kept_tokens.push_back(token);
+      }
+    }
+    const int64_t T = static_cast<int64_t>(kept.size());
+    if (T == 0) break;
+    x.resize(T * H);
+    in.resize(T * 2 * H);
+    seq.assign(kept.begin(), kept.end());
+    slot.resize(T);
+    pos.resize(T);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t r = kept[t];
+      const float* f = feat.data() + kept_rows[t] * H;
+      const float* e = a.embed + kept_tokens[t] * H;
+      std::copy(f, f + H, x.data() + t * H);
+      for (int64_t i = 0; i < H; ++i) in[t * 2 * H + i] = e[i] * a.embed_scale;
+      std::copy(f, f + H, in.data() + t * 2 * H + H);
+      slot[t] = a.slot0[r] + s;
+      pos[t] = a.pos0[r] + s;
+    }
+    next.resize(T * V);
+    DraftLayerArgs step = a.layer;
+    step.x = x.data();
+    step.attn_in = in.data();
+    step.attn_width = 2 * H;
+    step.T = T;
+    step.seq = seq.data();
+    step.slot = slot.data();
+    step.pos = pos.data();
+    step.hi = step.key_off = step.keys = nullptr;
+    step.head_first = 0;
+    step.head_stride = 1;
+    step.head_rows = T;
+    step.logits = next.data();
+    draft_layer(step);
+    feat.swap(x);
+    logits.swap(next);
+    live = kept;
+  }
+}
+
 // ---- the int8 multiply-add peak, for `tandem bench base` ------------------------------------
 
 // `iters` rounds of kChains independent multiply-add chains per thread, registers only, inputs
@@ -1004,5 +1173,7 @@ void tandem_attend(const AttendArgs* a) {
   attend(*a);
 }
 void tandem_decoder_forward(const DecoderArgs* a) { decoder_forward(*a); }
+void tandem_draft_layer(const DraftLayerArgs* a) { draft_layer(*a); }
+void tandem_draft_chain(const DraftChainArgs* a) { draft_chain(*a); }
 int64_t tandem_int8_peak(int64_t iters, int threads) { return int8_peak(iters, threads); }
 }
