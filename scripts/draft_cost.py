@@ -8,6 +8,12 @@ drafts K, in steady state (one new committed row per round). Prints the ms per d
 cost of each further draft step and of a whole round, as fractions of the step.
 
     .venv/bin/python scripts/draft_cost.py eagle3:4 dflash:4
+
+With --batch N: instead, N Spec-Bench chat prompts (qa, translation, math_reasoning) decoded
+together through the engine (greedy, 96 tokens, fixed k, the head alone), and the drafter's time
+per round while at least 3/4 of them run: what drafting for a batch costs, catch-ups included.
+
+    .venv/bin/python scripts/draft_cost.py --batch 8 eagle3:4 dflash:4 dspark:4
 """
 
 from __future__ import annotations
@@ -61,7 +67,38 @@ def round_times(loaded, method: str, k: int, ids: list[int], ctx: list[int]) -> 
     return statistics.median(times[1]), statistics.median(times[k])
 
 
+def batch_round(method: str, k: int, batch: int) -> tuple[float, int]:
+    """Mean seconds of the drafter's rounds while >= 3/4 of `batch` requests run, and their count."""
+    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    prompts = [q["turns"][0] for q in questions if q.get("category") in ("qa", "translation", "math_reasoning")][:batch]
+    llm = LLM(speculative_algorithm=method, speculative_num_draft_tokens=k, speculative_lookup=False,
+              speculative_policy="fixed", max_num_seqs=batch)
+    params = SamplingParams(temperature=0, max_tokens=96)
+    llm.generate(prompts[:2], params, chat=True)
+    drafter = llm.engine.drafter
+    propose, spent = drafter.propose, []
+
+    def timed(inputs):
+        t = time.perf_counter()
+        out = propose(inputs)
+        if 4 * len(inputs) >= 3 * batch:
+            spent.append(time.perf_counter() - t)
+        return out
+
+    drafter.propose = timed
+    llm.generate(prompts, params, chat=True)
+    return statistics.mean(spent), len(spent)
+
+
 def main(args: list[str]) -> None:
+    if args[:1] == ["--batch"]:
+        batch = int(args[1])
+        print(f"{cpu_name()}, {kernel_description()}, {torch.get_num_threads()} threads; {batch} requests")
+        for item in args[2:] or ["eagle3:4", "dflash:4"]:
+            method, _, k = item.partition(":")
+            seconds, rounds = batch_round(method, int(k or 4), batch)
+            print(f"{method:7} k={k or 4}: {1000 * seconds:.2f} ms per round of the whole batch ({rounds} rounds)")
+        return
     base = LLM(max_model_len=1024)
     loaded = base.loaded
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]

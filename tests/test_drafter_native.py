@@ -264,3 +264,52 @@ def test_a_trees_paths_as_keys_equal_them_as_a_mask():
         keyed, _ = native.step(x, x, positions, [by_keys], masks=[path_keys(5, paths, positions[0])])
         masked, _ = native.step(x, x, positions, [by_mask], masks=[path_mask(5, paths, 10)])
     assert torch.equal(keyed, masked)
+
+
+def test_ragged_rows_of_several_requests_equal_each_request_alone():
+    """NativeBlock.rows: requests with different numbers of new rows (a batch's catch-ups) in
+    one call give each request's output, last-row logits and keys bit for bit as alone."""
+    block = served_block(11)
+    H = parts().config.hidden_size
+    native = NativeBlock.of(block, vocab=served_vocab(H))
+    first, _ = filled_caches(block, 4)
+    second, _ = filled_caches(block, 66, origin=2)  # its own capacity, positions starting at 2
+    counts = [3, 1]
+    x = torch.randn(sum(counts), H)
+    positions = torch.tensor([4, 5, 6, 68])
+    together = [copy.deepcopy(first), copy.deepcopy(second)]
+    with torch.no_grad():
+        out, logits = native.rows(x, x, positions, counts, together, logits="last")
+        start = 0
+        for r, (cache, n) in enumerate(zip((first, second), counts)):
+            rows = slice(start, start + n)
+            alone, alone_logits = native.rows(x[rows], x[rows], positions[rows], [n], [cache], logits="last")
+            assert torch.equal(out[rows], alone) and torch.equal(logits[r], alone_logits[0])
+            assert together[r].length == cache.length
+            assert torch.equal(together[r].k[:, : cache.length], cache.k[:, : cache.length])
+            start += n
+
+
+def test_context_keys_of_several_requests_in_one_call_equal_each_alone():
+    """write_keys over several requests' rows (one projection, one attention call) writes
+    each cache's keys, values and positions as a call per request does, norm fused or not."""
+    block = served_block(12)
+    H = parts().config.hidden_size
+    native = NativeBlock.of(block)
+    norm = served_norm(H, 13)
+    counts = [2, 5]
+    x = torch.randn(sum(counts), H)
+    positions = torch.tensor([7, 8, 3, 4, 5, 6, 7])
+    for fused in (None, norm):
+        base = [filled_caches(block, 7)[0], filled_caches(block, 3)[0]]
+        together, alone = copy.deepcopy(base), copy.deepcopy(base)
+        with torch.no_grad():
+            native.write_keys(x, positions, counts, together, norm=fused)
+            start = 0
+            for cache, n in zip(alone, counts):
+                native.write_keys(x[start : start + n], positions[start : start + n], [n], [cache], norm=fused)
+                start += n
+        for a, b in zip(together, alone):
+            n = b.length
+            assert a.length == n and torch.equal(a.k[:, :n], b.k[:, :n]) and torch.equal(a.v[:, :n], b.v[:, :n])
+            assert a.positions[:n].tolist() == b.positions[:n].tolist()

@@ -110,7 +110,7 @@ class DFlashDrafter(HeadDrafter):
             rows, inputs = [rows[j] for j in kept], [self.lookup.with_pending(inputs[j]) for j in kept]
             if not rows:
                 return drafts
-        contexts = [self._catch_up(inp) for inp in inputs]
+        contexts = self._catch_up(inputs)
         for r, inp, draft in zip(rows, inputs, self._drafts(inputs, *self._block_states(inputs, contexts))):
             if draft.confidence:
                 corrected = self.online_calibration.correct(inp.request_id, draft.confidence)
@@ -119,9 +119,10 @@ class DFlashDrafter(HeadDrafter):
         return drafts
 
     def _drafts(self, inputs: list[DraftInput], states: torch.Tensor, logits: torch.Tensor) -> list[Draft]:
-        """One draft per input from the block's output states [R, S, H] and their logits
-        [R, S, V']: mask position j's logits give token j, independently of the others."""
-        return [self._draft(inp, logits[r, 1 : 1 + min(self.block_size - 1, inp.max_draft_tokens)])
+        """One draft per input from the block's output states [R, S, H] and the logits of its
+        mask positions [R, S - 1, V']: mask position j's logits give token j, independently of
+        the others."""
+        return [self._draft(inp, logits[r, : min(self.block_size - 1, inp.max_draft_tokens)])
                 for r, inp in enumerate(inputs)]
 
     def _draft(self, inp: DraftInput, logits: torch.Tensor) -> Draft:
@@ -136,18 +137,21 @@ class DFlashDrafter(HeadDrafter):
 
     def _block_states(self, inputs: list[DraftInput], contexts: list[list[RowCache]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The last draft layer's output [R, S, H] over every request's [anchor, MASK x (S-1)],
-        and the head's logits of it [R, S, V']."""
+        and the head's logits of its drafting rows: [R, S - 1, V'] (the masks), or [R, S, V']
+        where the anchor drafts too (DSpark)."""
         head, S = self.head, self.block_size
         anchors = torch.tensor([inp.token_ids[-1] for inp in inputs], device=self.device)
         positions = torch.tensor([len(inp.token_ids) - 1 for inp in inputs], device=self.device)
         positions = positions.unsqueeze(-1) + torch.arange(S, device=self.device)  # [R, S]
         x = head.block_input(self.parts.embed(anchors).float(), S)  # [R, S, H]
+        first = 0 if self.anchor_drafts else 1  # the first row whose logits give a draft token
         if self.natives is not None:  # every row sees the whole context and the whole block
+            drafting = (torch.arange(len(inputs)).unsqueeze(1) * S + torch.arange(first, S)).flatten()
             for li, native in enumerate(self.natives):
                 last = li == len(self.natives) - 1
                 x, logits = native.step(x, x, positions, [ctx[li] for ctx in contexts], keep=False, whole=True,
-                                        logits="all" if last else None)
-            return x, (head.head_logits(x) if logits is None else logits.reshape(len(inputs), S, -1))
+                                        logits=drafting if last else None)
+            return x, (head.head_logits(x[:, first:]) if logits is None else logits.reshape(len(inputs), S - first, -1))
         for li, layer in enumerate(head.draft_layers):
             blk = layer.block
             q, kb, vb = blk.qkv_heads(layer.norm(x), positions)
@@ -159,29 +163,41 @@ class DFlashDrafter(HeadDrafter):
                 outs.append(F.scaled_dot_product_attention(q[r : r + 1], k, v, scale=blk.scale,
                                                            enable_gqa=blk.heads != blk.kv_heads))
             x = blk.finish(x, torch.cat(outs))
-        return x, head.head_logits(x)
+        return x, head.head_logits(x[:, first:])
 
-    def _catch_up(self, inp: DraftInput) -> list[RowCache]:
-        """The request's per-layer context caches extended by its new hidden rows (positions
-        len-1-n .. len-2). Rows that never arrived (a round without a draft) cannot be recovered:
-        the caches then restart at the first row they have (drafts stay valid, with less context)."""
-        hidden = {layer: inp.hidden[layer].to(self.device) for layer in self.head.serving_layers}
-        n = len(next(iter(hidden.values())))
-        first = len(inp.token_ids) - 1 - n
-        caches = self.contexts.get(inp.request_id)
-        if caches is None or caches[0].origin + caches[0].length != first:
-            caches = self.contexts[inp.request_id] = [
-                layer.block.new_cache(self.device, origin=first) for layer in self.head.draft_layers
-            ]
-        hidden = {layer: h.float().unsqueeze(0) for layer, h in hidden.items()}
-        positions = torch.arange(first, first + n, device=self.device)
+    def _catch_up(self, inputs: list[DraftInput]) -> list[list[RowCache]]:
+        """Each request's per-layer context caches extended by its new hidden rows (positions
+        len-1-n .. len-2); on the block kernels all requests' rows go through one call per
+        layer. Rows that never arrived (a round without a draft) cannot be recovered: the caches
+        then restart at the first row they have (drafts stay valid, with less context)."""
+        layers = self.head.serving_layers
+        counts = [len(inp.hidden[layers[0]]) for inp in inputs]
+        contexts = []
+        for inp, n in zip(inputs, counts):
+            first = len(inp.token_ids) - 1 - n
+            caches = self.contexts.get(inp.request_id)
+            if caches is None or caches[0].origin + caches[0].length != first:
+                caches = self.contexts[inp.request_id] = [
+                    layer.block.new_cache(self.device, origin=first) for layer in self.head.draft_layers
+                ]
+            contexts.append(caches)
+        positions = torch.tensor([p for inp, n in zip(inputs, counts) for p in range(len(inp.token_ids) - 1 - n,
+                                                                                    len(inp.token_ids) - 1)],
+                                 device=self.device)
+        hidden = {layer: torch.cat([inp.hidden[layer] for inp in inputs]).to(self.device).float().unsqueeze(0)
+                  for layer in layers}
         if self.natives is not None:  # only the rows' keys and values are needed; the norm is fused
-            projected = self.head.context_projection(hidden)  # [1, n, H]
-            for native, cache in zip(self.natives, caches):
-                native.write_keys(projected, positions.unsqueeze(0), cache, norm=self.head.context_norm)
-            return caches
-        features = self.head.context(hidden)  # [1, n, H]
-        for layer, cache in zip(self.head.draft_layers, caches):
-            k, v = layer.context_kv(features, positions.unsqueeze(0))
-            cache.append(k[0], v[0], positions)
-        return caches
+            projected = self.head.context_projection(hidden)[0]  # [N, H]
+            for li, native in enumerate(self.natives):
+                native.write_keys(projected, positions, counts, [ctx[li] for ctx in contexts],
+                                  norm=self.head.context_norm)
+            return contexts
+        features = self.head.context(hidden)  # [1, N, H]
+        start = 0
+        for caches, n in zip(contexts, counts):
+            rows = slice(start, start + n)
+            for layer, cache in zip(self.head.draft_layers, caches):
+                k, v = layer.context_kv(features[:, rows], positions[rows].unsqueeze(0))
+                cache.append(k[0], v[0], positions[rows])
+            start += n
+        return contexts

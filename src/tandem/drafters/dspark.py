@@ -37,7 +37,7 @@ class DSparkDrafter(DFlashDrafter):
     def _drafts(self, inputs: list[DraftInput], states: torch.Tensor, logits: torch.Tensor) -> list[Draft]:
         head = self.head
         h = head.out_norm(states)  # [R, S, H]: the confidence head reads it
-        base = logits.float()  # [R, S, V'] = lm_head(h)
+        base = logits.float()  # [R, S, V'] = lm_head(h): every row drafts
         budgets = [min(self.block_size, inp.max_draft_tokens) for inp in inputs]
         seen = [self.seen_ids(inp) for inp in inputs]
         anchors = torch.tensor([inp.token_ids[-1] for inp in inputs], device=self.device)

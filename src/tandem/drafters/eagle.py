@@ -85,10 +85,7 @@ class EagleDrafter(HeadDrafter):
         seen = [self.seen_ids(inp) for inp in inputs]
         budgets = [min(self.spec.num_draft_tokens, inp.max_draft_tokens) for inp in inputs]
         caches = [self._catch_up_cache(inp) for inp in inputs]
-        # Step 0: catch up on the new true features, one request at a time (ragged lengths).
-        caught = [self._catch_up(inp, cache) for inp, cache in zip(inputs, caches)]
-        feat = torch.cat([f for f, _ in caught])  # [R, H]
-        logits = torch.cat([lg for _, lg in caught])  # [R, V']
+        feat, logits = self._catch_up(inputs, caches)  # step 0: [R, H], [R, V']
         if self._chains_natively(inputs, seen):  # greedy: every further step in one native call
             chains = self.native.chain(feat, logits, caches, [len(inp.token_ids) - 1 for inp in inputs], budgets,
                                        self.draft_ids, self.parts.embed_table, self.parts.embed_scale)
@@ -137,7 +134,7 @@ class EagleDrafter(HeadDrafter):
         topk = self.spec.eagle_topk
         depth = min(self.spec.max_draft_len, inp.max_draft_tokens)
         cache = self._catch_up_cache(inp)
-        feats, logits = self._catch_up(inp, cache)  # [1, H], [1, V']
+        feats, logits = self._catch_up([inp], [cache])  # [1, H], [1, V']
         prefix = cache.length
         tokens: list[int] = []
         parents: list[int] = []
@@ -195,17 +192,33 @@ class EagleDrafter(HeadDrafter):
             cache = self.caches[inp.request_id] = self.head.block.new_cache(self.device, origin=first)
         return cache
 
-    def _catch_up(self, inp: DraftInput, cache: RowCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the n new rows (positions len-1-n .. len-2) paired with the tokens after them;
-        returns the layer's output at the last row [1, H] and its logits [1, V']."""
-        hidden = {layer: inp.hidden[layer].to(self.device) for layer in self.head.serving_layers}
-        n = len(next(iter(hidden.values())))
-        end = len(inp.token_ids) - 1
-        next_ids = torch.tensor(inp.token_ids[end - n + 1 : end + 1], device=self.device)
-        feat = self.head.fuse({layer: h.float().unsqueeze(0) for layer, h in hidden.items()})  # [1, n, H]
-        positions = torch.arange(end - n, end, device=self.device).unsqueeze(0)
-        out, logits = self._layer(self.parts.embed(next_ids).float().unsqueeze(0), feat, positions, [cache])
-        return out[:, -1], logits
+    def _catch_up(self, inputs: list[DraftInput], caches: list[RowCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each request's n new rows (positions len-1-n .. len-2) paired with the tokens
+        after them; returns the layer's output at each request's last row [R, H] and its logits
+        [R, V']. On the block kernels all requests' rows (ragged) go through one call."""
+        layers = self.head.serving_layers
+        counts = [len(inp.hidden[layers[0]]) for inp in inputs]
+        ends = [len(inp.token_ids) - 1 for inp in inputs]
+        next_ids = torch.tensor([t for inp, n, end in zip(inputs, counts, ends) for t in inp.token_ids[end - n + 1 : end + 1]],
+                                device=self.device)
+        positions = torch.tensor([p for n, end in zip(counts, ends) for p in range(end - n, end)], device=self.device)
+        hidden = {layer: torch.cat([inp.hidden[layer] for inp in inputs]).to(self.device).float() for layer in layers}
+        feat = self.head.fuse({layer: h.unsqueeze(0) for layer, h in hidden.items()})  # [1, N, H]
+        emb = self.parts.embed(next_ids).float().unsqueeze(0)
+        if self.native is not None:
+            resid, raw = self.head.raw_layer_input(emb, feat)
+            out, logits = self.native.rows(resid[0], raw[0], positions, counts, caches, logits="last")
+            last = torch.tensor(counts).cumsum(0) - 1
+            if logits is None:
+                logits = self.head.head_logits(out[last], self.parts)
+            return out[last], logits
+        outs, start = [], 0
+        for cache, n in zip(caches, counts):  # the PyTorch path: one request at a time
+            rows = slice(start, start + n)
+            out, lg = self._layer(emb[:, rows], feat[:, rows], positions[rows].unsqueeze(0), [cache])
+            outs.append((out[:, -1], lg))
+            start += n
+        return torch.cat([o for o, _ in outs]), torch.cat([lg for _, lg in outs])
 
     def _layer(self, emb: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
                masks: list | None = None, logits: str = "last") -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,8 +110,8 @@ class NativeBlock:
         return self.layer
 
     def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
-             masks: list[torch.Tensor] | None = None, keep: bool = True, gap: int = 1, whole: bool = False,
-             logits: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             masks: list | None = None, keep: bool = True, gap: int = 1, whole: bool = False,
+             logits: str | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """DraftBlock.step: R requests, t new rows each; x [R, t, H], attn_in [R, t, Din] (before
         the input norms), positions [R, t]. The rows' keys are written to each cache after its
         `length` slots; keep=False leaves `length` as it was (the slots are scratch: a draft
@@ -121,37 +121,54 @@ class NativeBlock:
         query's - gap). whole: every row sees every slot, the cache's and this step's (a DFlash
         block).
 
-        Returns the output [R, t, H] and, with a vocab and logits "all" or "last", the logits of
-        every row [R * t, V'] or of each request's last row [R, V'] (else None)."""
+        Returns the output [R, t, H] and, with a vocab and logits "all", "last" or row indices
+        into the flat [R * t] rows, the logits of every row [R * t, V'], of each request's last
+        row [R, V'] or of the rows named (else None)."""
         R, t, H = x.shape
-        out = x.reshape(R * t, H).float().contiguous().clone()
-        rows_in = attn_in.reshape(R * t, -1).float().contiguous()
+        out, out_logits = self.rows(x.reshape(R * t, H), attn_in.reshape(R * t, -1), positions.reshape(-1), [t] * R,
+                                    caches, masks, keep, gap, whole, logits)
+        return out.reshape(R, t, H), out_logits
+
+    def rows(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, counts: list[int],
+             caches: list[RowCache], masks: list | None = None, keep: bool = True, gap: int = 1,
+             whole: bool = False, logits: str | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`step` over flat rows, request r's counts[r] rows after request r - 1's (ragged:
+        several requests' catch-ups in one call): x [N, H], attn_in [N, Din], positions [N].
+        Returns the output [N, H] and the logits `step` describes (indices into these N rows)."""
+        out = x.float().contiguous().clone()
+        rows_in = attn_in.float().contiguous()
         layer = self._tables(int(positions.max()) + 1)
-        pos = positions.reshape(-1).to(torch.int64).cpu().contiguous()
+        pos = positions.to(torch.int64).cpu().contiguous()
         seq, slot, keys = [], [], []
-        for r, cache in enumerate(caches):
+        start = 0
+        for r, (cache, t) in enumerate(zip(caches, counts)):
+            own = positions[start : start + t]
             cache.reserve(t)
             seq.extend([r] * t)
             slot.extend(range(cache.length, cache.length + t))
             if whole:
-                keys.append(_all_keys(positions[r], cache.length + t))
+                keys.append(_all_keys(own, cache.length + t))
             elif masks is not None:
-                keys.append(masks[r] if isinstance(masks[r], TreeKeys) else _mask_keys(masks[r], positions[r]))
-            elif gap != 1 or not _after_cache(cache, positions[r]):
+                keys.append(masks[r] if isinstance(masks[r], TreeKeys) else _mask_keys(masks[r], own))
+            elif gap != 1 or not _after_cache(cache, own):
                 slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
-                keys.append(_positional_keys(torch.cat([cache.positions[: cache.length].cpu(), positions[r].cpu()]),
-                                             slots, gap))
+                keys.append(_positional_keys(torch.cat([cache.positions[: cache.length].cpu(), own.cpu()]), slots, gap))
             else:
                 keys.append(None)
-        tree = None if all(k is None for k in keys) else _joined(keys, pos, slot, t)
-        rows = DraftRows(torch.tensor(seq, dtype=torch.int64), torch.tensor(slot, dtype=torch.int64), pos, tree)
-        logit_rows = {None: None, "all": (0, 1, R * t), "last": (t - 1, t, R)}[logits]
-        out_logits = self.kernels.draft_layer(layer, out, rows_in, rows, [(c.k, c.v) for c in caches], logit_rows)
-        for r, cache in enumerate(caches):
-            cache.positions[cache.length : cache.length + t] = positions[r]
+            start += t
+        tree = None if all(k is None for k in keys) else _joined(keys, pos, slot, counts)
+        placed = DraftRows(torch.tensor(seq, dtype=torch.int64), torch.tensor(slot, dtype=torch.int64), pos, tree)
+        logit_rows = logits
+        if isinstance(logits, str) and logits == "last":
+            logit_rows = torch.tensor(counts, dtype=torch.int64).cumsum(0) - 1
+        out_logits = self.kernels.draft_layer(layer, out, rows_in, placed, [(c.k, c.v) for c in caches], logit_rows)
+        start = 0
+        for cache, t in zip(caches, counts):
+            cache.positions[cache.length : cache.length + t] = positions[start : start + t]
             if keep:
                 cache.length += t
-        return out.reshape(R, t, H), out_logits
+            start += t
+        return out, out_logits
 
     def chain(self, feat: torch.Tensor, logits: torch.Tensor, caches: list[RowCache], positions: list[int],
               budgets: list[int], vocab_ids: torch.Tensor | None, embed: torch.Tensor,
@@ -175,28 +192,41 @@ class NativeBlock:
         tokens = self.kernels.draft_chain(layer, chain, [(c.k, c.v) for c in caches])
         return [[t for t in row if t >= 0] for row in tokens.tolist()]
 
-    def write_keys(self, attn_in: torch.Tensor, positions: torch.Tensor, cache: RowCache,
+    def write_keys(self, attn_in: torch.Tensor, positions: torch.Tensor, counts: list[int], caches: list[RowCache],
                    norm: torch.nn.RMSNorm | None = None) -> None:
-        """Append the keys and values of rows attn_in [1, t, Din] at positions [1, t] to the
-        cache, causally, without the rest of the layer (context rows whose outputs nobody reads).
-        Their input goes to the qkv projection through `norm` (fused), not the input norms."""
+        """Append the keys and values of rows attn_in [N, Din] at positions [N] to the caches,
+        request r's counts[r] rows after request r - 1's, causally, without the rest of the layer
+        (context rows whose outputs nobody reads): one qkv projection and one attention call for
+        all requests. Their input goes to the qkv projection through `norm` (fused), not the
+        input norms."""
         k, blk = self.kernels, self.block
-        t = positions.shape[1]
-        rows = attn_in.reshape(t, -1).float().contiguous()
+        rows = attn_in.float().contiguous()
         if norm is None:
             qkv = k.linear(rows, self.qkv)
         else:
             weight, eps = _norm_parts(norm)
             qkv = k.linear(rows, self.qkv, transform=RMS_NORM, norm_weight=weight, eps=eps)
         self._tables(int(positions.max()) + 1)
-        cache.reserve(t)
-        slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
-        pos = positions[0].to(torch.int64).cpu()
-        keys = _positional_keys(torch.cat([cache.positions[: cache.length].cpu(), pos]), slots, 1)
-        k.attend(qkv, torch.zeros(t, dtype=torch.int64), slots, self.cos, self.sin, cache.k.unsqueeze(0),
-                 cache.v.unsqueeze(0), blk.heads, blk.kv_heads, None, blk.scale, tree=keys)
-        cache.positions[cache.length : cache.length + t] = positions[0]
-        cache.length += t
+        seq, slot, keys, start = [], [], [], 0
+        for r, (cache, t) in enumerate(zip(caches, counts)):
+            own = positions[start : start + t].to(torch.int64).cpu()
+            cache.reserve(t)
+            slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
+            keys.append(None if _after_cache(cache, own) else
+                        _positional_keys(torch.cat([cache.positions[: cache.length].cpu(), own]), slots, 1))
+            seq.extend([r] * t)
+            slot.extend(range(cache.length, cache.length + t))
+            start += t
+        pos = positions.to(torch.int64).cpu().contiguous()
+        tree = None if all(key is None for key in keys) else _joined(keys, pos, slot, counts)
+        placed = DraftRows(torch.tensor(seq, dtype=torch.int64), torch.tensor(slot, dtype=torch.int64), pos, tree)
+        k.attend_own_caches(qkv, placed, self.cos, self.sin, [(c.k, c.v) for c in caches], blk.heads, blk.kv_heads,
+                            blk.scale)
+        start = 0
+        for cache, t in zip(caches, counts):
+            cache.positions[cache.length : cache.length + t] = positions[start : start + t]
+            cache.length += t
+            start += t
 
 
 def path_keys(prefix: int, paths: list[list[int]], positions: torch.Tensor) -> TreeKeys:
@@ -260,11 +290,13 @@ def _chain_keys(slots: list[int], positions: torch.Tensor) -> TreeKeys:
                     torch.zeros(t + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
 
 
-def _joined(keys: list[TreeKeys | None], pos: torch.Tensor, slot: list[int], t: int) -> TreeKeys:
-    """The requests' TreeKeys (t rows each) as one over all rows of the call, a request without
-    any getting its chain rule spelled out; key lists concatenated, their offsets shifted."""
-    parts = [key if key is not None else _chain_keys(slot[r * t : (r + 1) * t], pos[r * t : (r + 1) * t])
-             for r, key in enumerate(keys)]
+def _joined(keys: list[TreeKeys | None], pos: torch.Tensor, slot: list[int], counts: list[int]) -> TreeKeys:
+    """The requests' TreeKeys (counts[r] rows each) as one over all rows of the call, a request
+    without any getting its chain rule spelled out; key lists concatenated, their offsets shifted."""
+    parts, start = [], 0
+    for key, t in zip(keys, counts):
+        parts.append(key if key is not None else _chain_keys(slot[start : start + t], pos[start : start + t]))
+        start += t
     offsets, shift = [], 0
     for key in parts:
         offsets.append(key.key_off[:-1] + shift)

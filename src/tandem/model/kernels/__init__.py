@@ -219,7 +219,7 @@ class _DraftLayerArgs(ctypes.Structure):
         ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p),
         ("seq_k", ctypes.POINTER(ctypes.c_void_p)), ("seq_v", ctypes.POINTER(ctypes.c_void_p)), ("seq_M", ctypes.c_void_p),
         ("head", ctypes.POINTER(_Weights)), ("head_norm", ctypes.c_void_p), ("head_eps", ctypes.c_float),
-        ("head_first", ctypes.c_int64), ("head_stride", ctypes.c_int64), ("head_rows", ctypes.c_int64),
+        ("head_index", ctypes.c_void_p), ("head_rows", ctypes.c_int64),
         ("logits", ctypes.c_void_p), ("threads", ctypes.c_int), ("kv_half", ctypes.c_int),
     ]
 
@@ -235,6 +235,13 @@ class _DraftChainArgs(ctypes.Structure):
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _own_caches(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[ctypes.Array, ctypes.Array, torch.Tensor]:
+    """Per-sequence caches as AttendArgs reads them: key and value base addresses, capacities."""
+    k_ptrs = (ctypes.c_void_p * len(caches))(*[_ptr(k) for k, _ in caches])
+    v_ptrs = (ctypes.c_void_p * len(caches))(*[_ptr(v) for _, v in caches])
+    return k_ptrs, v_ptrs, torch.tensor([k.shape[1] for k, _ in caches], dtype=torch.int64)
 
 
 def _kv_half(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -372,6 +379,26 @@ class BlockKernels:
         self._attend(ctypes.byref(args))
         return out
 
+    def attend_own_caches(self, qkv: torch.Tensor, rows: "DraftRows", cos: torch.Tensor, sin: torch.Tensor,
+                          caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, num_kv_heads: int,
+                          scale: float) -> torch.Tensor:
+        """`attend` where every sequence has a cache of its own (a drafter's RowCaches): row t
+        belongs to request rows.seq[t], whose keys and values are caches[rows.seq[t]] = (k, v)
+        [Hkv, M_s, D], goes to slot rows.slot[t] at rope position rows.pos[t], and sees what
+        rows.keys says (None: its cache up to its own slot)."""
+        T, D = qkv.shape[0], cos.shape[1]
+        out = torch.empty(T, num_heads * D, dtype=torch.float32)
+        tree = rows.keys
+        hi, key_off, keys = (None,) * 3 if tree is None else (tree.hi, tree.key_off, tree.keys)
+        k_ptrs, v_ptrs, capacity = _own_caches(caches)
+        args = _AttendArgs(
+            _ptr(qkv), T, num_heads, num_kv_heads, D, _ptr(rows.seq), _ptr(rows.slot), _ptr(rows.pos), _ptr(hi),
+            _ptr(key_off), _ptr(keys), _ptr(cos), _ptr(sin), None, None, 0, 0, scale, _ptr(out),
+            torch.get_num_threads(), None, None, 0.0, _kv_half(*caches[0]), k_ptrs, v_ptrs, _ptr(capacity),
+        )
+        self._attend(ctypes.byref(args))
+        return out
+
     def decoder(self, layers: ctypes.Array, x: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor,
                 tree: "TreeKeys | None", k_cache: torch.Tensor, v_cache: torch.Tensor, shape: "DecoderShape",
                 capture: dict[int, torch.Tensor]) -> None:
@@ -391,26 +418,28 @@ class BlockKernels:
 
     def draft_layer(self, layer: "DraftLayer", x: torch.Tensor, attn_in: torch.Tensor, rows: "DraftRows",
                     caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    logit_rows: tuple[int, int, int] | None = None) -> torch.Tensor | None:
+                    logit_rows: torch.Tensor | str | None = None) -> torch.Tensor | None:
         """One draft head layer over x [T, H] in place (block_matmul.cpp draft_layer): the
         attention input attn_in [T, Din] (transformed as the layer says), per request r the
         caches[r] = (k, v) [Hkv, M_r, D] its rows (rows.seq == r) write and attend over; then,
-        when logit_rows = (first, stride, count) and the layer has a vocabulary head, the logits
-        [count, V'] of output rows first, first + stride, ... (returned; else None)."""
-        logits = None
+        where the layer has a vocabulary head, the logits [n, V'] of the output rows
+        logit_rows names (int64 indices, or "all"), returned; else None."""
+        logits = index = None
+        count = 0
         if logit_rows is not None and layer.vocab is not None:
-            logits = torch.empty(logit_rows[2], layer.vocab.out_features, dtype=torch.float32)
-        else:
-            logit_rows = None
+            if isinstance(logit_rows, str):
+                count = x.shape[0]
+            else:
+                index, count = logit_rows.to(torch.int64).contiguous(), len(logit_rows)
+            logits = torch.empty(count, layer.vocab.out_features, dtype=torch.float32)
         tree = rows.keys
         hi, key_off, keys = (None,) * 3 if tree is None else (tree.hi, tree.key_off, tree.keys)
-        args, alive = self._draft_layer_args(layer, caches, logit_rows is not None)
+        args, alive = self._draft_layer_args(layer, caches, logits is not None)
         args.x, args.attn_in, args.attn_width, args.T = _ptr(x), _ptr(attn_in), attn_in.shape[1], x.shape[0]
         args.seq, args.slot, args.pos = _ptr(rows.seq), _ptr(rows.slot), _ptr(rows.pos)
         args.hi, args.key_off, args.keys = _ptr(hi), _ptr(key_off), _ptr(keys)
-        if logit_rows is not None:
-            args.head_first, args.head_stride, args.head_rows = logit_rows
-            args.logits = _ptr(logits)
+        if logits is not None:
+            args.head_index, args.head_rows, args.logits = _ptr(index), count, _ptr(logits)
         self._draft_layer(ctypes.byref(args))
         del alive
         return logits
@@ -439,16 +468,14 @@ class BlockKernels:
                           with_head: bool) -> tuple["_DraftLayerArgs", tuple]:
         """The fields of a draft layer call that do not depend on its rows, and the objects
         they point into (kept alive by the caller until the call returns)."""
-        shape, R = layer.shape, len(caches)
-        k_ptrs = (ctypes.c_void_p * R)(*[_ptr(k) for k, _ in caches])
-        v_ptrs = (ctypes.c_void_p * R)(*[_ptr(v) for _, v in caches])
-        capacity = torch.tensor([k.shape[1] for k, _ in caches], dtype=torch.int64)
+        shape = layer.shape
+        k_ptrs, v_ptrs, capacity = _own_caches(caches)
         head = ctypes.pointer(layer.vocab.record) if with_head else None
         args = _DraftLayerArgs(
             ctypes.cast(layer.record, ctypes.POINTER(_DecoderLayer)), shape.hidden, shape.num_heads,
             shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale, shape.activation, None, None, 0,
             layer.attn_transform, layer.attn_eps, 0, None, None, None, None, None, None, k_ptrs, v_ptrs,
-            _ptr(capacity), head, _ptr(layer.vocab_norm), layer.vocab_eps, 0, 0, 0, None, torch.get_num_threads(),
+            _ptr(capacity), head, _ptr(layer.vocab_norm), layer.vocab_eps, None, 0, None, torch.get_num_threads(),
             _kv_half(caches[0][0], caches[0][1]),
         )
         return args, (k_ptrs, v_ptrs, capacity, head)

@@ -1006,7 +1006,8 @@ struct DraftLayerArgs {
   const Weights* head;        // the LM head over head_norm(output rows), or null
   const float* head_norm;     // [H]
   float head_eps;
-  int64_t head_first, head_stride, head_rows;  // the output rows it reads: x + head_first * H + i * head_stride * H
+  const int64_t* head_index;  // [head_rows] the output rows it reads, or null: rows 0 .. head_rows - 1
+  int64_t head_rows;
   float* logits;              // [head_rows, head->N]
   int threads;
   int kv_half;
@@ -1023,6 +1024,7 @@ void draft_layer(const DraftLayerArgs& a) {
   s.qkv.resize(T * layer.qkv->N);
   s.gate_up.resize(T * layer.gate_up->N);
   s.attn.resize(T * a.Hq * a.D);
+  if (a.head_index) s.projected.resize(a.head_rows * H);
 #pragma omp parallel num_threads(a.threads)
   {
     linear({layer.qkv, a.attn_in, T, a.attn_width, a.attn_transform, layer.attn_norm, a.attn_eps, nullptr, s.qkv.data(), 0},
@@ -1033,9 +1035,16 @@ void draft_layer(const DraftLayerArgs& a) {
     linear({layer.o, s.attn.data(), T, a.Hq * a.D, kIdentity, nullptr, 0.f, a.x, a.x, 0}, s.linear);
     linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, s.gate_up.data(), 0}, s.linear);
     linear({layer.down, s.gate_up.data(), T, layer.gate_up->N, a.activation, nullptr, 0.f, a.x, a.x, 0}, s.linear);
-    if (a.head)
-      linear({a.head, a.x + a.head_first * H, a.head_rows, a.head_stride * H, kRmsNorm, a.head_norm, a.head_eps,
-              nullptr, a.logits, 0}, s.linear);
+    if (a.head) {
+      const float* rows = a.x;
+      if (a.head_index) {  // gathered into one block (a few rows: one thread copies them)
+#pragma omp single
+        for (int64_t i = 0; i < a.head_rows; ++i)
+          std::copy(a.x + a.head_index[i] * H, a.x + (a.head_index[i] + 1) * H, s.projected.data() + i * H);
+        rows = s.projected.data();
+      }
+      linear({a.head, rows, a.head_rows, H, kRmsNorm, a.head_norm, a.head_eps, nullptr, a.logits, 0}, s.linear);
+    }
   }
 }
 
@@ -1117,8 +1126,7 @@ void draft_chain(const DraftChainArgs& a) {
     step.slot = slot.data();
     step.pos = pos.data();
     step.hi = step.key_off = step.keys = nullptr;
-    step.head_first = 0;
-    step.head_stride = 1;
+    step.head_index = nullptr;
     step.head_rows = T;
     step.logits = next.data();
     draft_layer(step);
