@@ -84,6 +84,8 @@ inline vi vadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
 inline vi vsub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 inline vi vlow_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 inline vi vhigh_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline vi vhigh_nibbles_x16(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(0xF0))); }
+inline vi vdiv16_exact(vi v) { return _mm512_srai_epi32(v, 4); }
 // acc + sum over each lane's 4 byte pairs of u (unsigned) * s (signed).
 inline vi vdot_u8s8(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
@@ -126,6 +128,8 @@ inline vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 inline vi vsub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 inline vi vlow_nibbles(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline vi vhigh_nibbles(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline vi vhigh_nibbles_x16(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(0xF0))); }
+inline vi vdiv16_exact(vi v) { return _mm256_srai_epi32(v, 4); }
 inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline vf vloadf(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vloadh(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -326,7 +330,10 @@ struct BlockRegs {
       for (int j = 0; j < 4; ++j) {
         const vi v = vload(p + j * 4 * kLanes);
         w[j] = vlow_nibbles(v);
-        w[j + 4] = vhigh_nibbles(v);
+        // VNNI takes the high nibbles in place, as 16 q (at most 240, still a u8): their dot
+        // products then sum to exactly 16x theirs, and one shift per activation row divides it
+        // out, where unpacking them would cost a shift per quad (docs/kernels.md).
+        w[j + 4] = kVnni ? vhigh_nibbles_x16(v) : vhigh_nibbles(v);
       }
     } else {
       for (int j = 0; j < 8; ++j) w[j] = vload(p + j * 4 * kLanes);
@@ -346,6 +353,14 @@ struct BlockRegs {
 #if defined(__AVX512VNNI__) && TANDEM_LANES == 16
     // The 4 activation bytes as vpdpbusd's embedded-broadcast memory operand: one fused uop per
     // quad instead of a broadcast load and the multiply-add (compilers do not fold it).
+    if constexpr (kQ4) {  // the low nibbles' chain and the high nibbles' (16 q) chain
+      vi lo = start, hi = vzero();
+      for (int j = 0; j < 4; ++j) {
+        asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(lo) : "v"(w[j]), "m"(*reinterpret_cast<const int32_t*>(x + 4 * j)));
+        asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(hi) : "v"(w[j + 4]), "m"(*reinterpret_cast<const int32_t*>(x + 4 * j + 16)));
+      }
+      return vadd32(lo, vdiv16_exact(hi));
+    }
     vi even = start, odd = vzero();
     for (int j = 0; j < 8; j += 2) {
       asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(even) : "v"(w[j]), "m"(*reinterpret_cast<const int32_t*>(x + 4 * j)));
@@ -366,6 +381,14 @@ struct BlockRegs {
       return vadd32(start, _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1)));
     }
 #endif
+    if constexpr (kQ4 && kVnni) {
+      vi lo = start, hi = vzero();
+      for (int j = 0; j < 4; ++j) {
+        lo = vdot_u8s8(lo, w[j], vbcast32(x + 4 * j));
+        hi = vdot_u8s8(hi, w[j + 4], vbcast32(x + 4 * j + 16));
+      }
+      return vadd32(lo, vdiv16_exact(hi));
+    }
     vi even = start, odd = vzero();
     for (int j = 0; j < 8; j += 2) {
       vi xa = vbcast32(x + 4 * j), xb = vbcast32(x + 4 * j + 4);
