@@ -201,8 +201,8 @@ def test_audit_applies_the_repetition_penalty():
 def test_audit_catches_a_penalty_missing_on_the_draft_rows(monkeypatch):
     real = grading.target_probs
 
-    def penalty_on_row_0_only(logits, draft, params, context):
-        rows = real(logits, draft, params, context)
+    def penalty_on_row_0_only(logits, draft, params, context, num_prompt_tokens=None):
+        rows = real(logits, draft, params, context, num_prompt_tokens)
         return torch.cat([rows[:1], processed_probs(logits[1:], params)])
 
     monkeypatch.setattr(grading, "target_probs", penalty_on_row_0_only)
@@ -215,9 +215,9 @@ def test_engine_and_audit_grade_through_the_same_function(monkeypatch):
     calls = []
     real = grading.grade_round
 
-    def recording(logits, draft, params, context, generator):
+    def recording(logits, draft, params, context, generator, num_prompt_tokens=None):
         calls.append(len(draft))
-        return real(logits, draft, params, context, generator)
+        return real(logits, draft, params, context, generator, num_prompt_tokens)
 
     monkeypatch.setattr(grading, "grade_round", recording)
     eng = engine("test_audit_sampled")
@@ -360,3 +360,37 @@ def test_audit_fails_a_cut_that_reads_the_q_of_a_sampled_token():
     eng.policy.cut = cut_before_first_where(lambda j, t, d: float(d.probs[j, t]) >= 0.4)
     report = run_audit(eng, PROMPT, PARAMS, rounds=3000, batch=100)
     assert failed(report, "position 1 token"), report.render()
+
+
+# Negative: repeats are rewarded, so the first token's count lifts it into position 2's top 5
+# (TV about 0.86 between position 2 with and without it counted).
+OUTPUT_PENALTY = SamplingParams(temperature=0.7, top_k=5, presence_penalty=-1.5, frequency_penalty=-1.0, max_tokens=8)
+
+
+def test_audit_applies_the_presence_and_frequency_penalties():
+    """The audited distributions count the round's generated tokens (not the prompt), and the
+    engine's grading passes against them."""
+    eng = engine("test_audit_sampled")
+    report = run_audit(eng, PENALTY_PROMPT, OUTPUT_PENALTY, rounds=2000, batch=100)
+    ran = {c.name for c in report.checks if c.passed is not None}
+    assert {"position 1 token", "position 2 token"} <= ran, report.render()
+    assert report.passed, report.render()
+    auditor = Auditor(eng, PENALTY_PROMPT, OUTPUT_PENALTY, batch=1)
+    assert torch.allclose(auditor.exact(()), processed_probs(target_logits(PENALTY_PROMPT), OUTPUT_PENALTY)[0], atol=1e-5)
+    for first in (51, 12):
+        logits = target_logits(PENALTY_PROMPT + [first])
+        counted = processed_probs(logits, OUTPUT_PENALTY, None, (torch.tensor([first]), torch.tensor([1.0])))[0]
+        assert torch.allclose(auditor.exact((first,)), counted, atol=1e-5)
+
+
+def test_audit_catches_output_penalties_missing_on_the_draft_rows(monkeypatch):
+    real = grading.target_probs
+
+    def drafts_not_counted(logits, draft, params, context, num_prompt_tokens=None):
+        rows = real(logits, draft, params, context, num_prompt_tokens)
+        later = processed_probs(logits[1:], params, None, grading.output_counts(context, params, num_prompt_tokens))
+        return torch.cat([rows[:1], later])
+
+    monkeypatch.setattr(grading, "target_probs", drafts_not_counted)
+    report = run_audit(engine("test_audit_sampled"), PENALTY_PROMPT, OUTPUT_PENALTY, rounds=2000, batch=100)
+    assert failed(report, "position 2 token"), report.render()

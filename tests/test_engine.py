@@ -171,17 +171,23 @@ def test_tree_greedy_identity_scripted(depth, wrong_every):
     assert len(stats.accepted_per_position) <= depth
 
 
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.8}, {"presence_penalty": 1.5},
+                                     {"frequency_penalty": 0.8, "presence_penalty": -0.3}], ids=lambda p: ",".join(p))
 @pytest.mark.parametrize("algorithm, tree", [("test_scripted", False), ("test_scripted_tree", True)])
-def test_repetition_penalty_greedy_identity(algorithm, tree):
-    """With a repetition penalty, the target row after draft tokens d_1..d_i penalises them too,
-    as plain decoding would after committing them: speculative output stays plain output."""
-    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, repetition_penalty=1.8)
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_penalised_greedy_identity(algorithm, tree, penalty, wrong_every):
+    """With a penalty, the target row after draft tokens d_1..d_i counts them too, as plain
+    decoding would after committing them: speculative output stays plain output, through
+    accepted runs and rejections alike."""
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, **penalty)
     spec = SpecConfig(algorithm=algorithm, num_draft_tokens=10 if tree else 4, eagle_topk=2 if tree else 1, num_steps=4)
     llm = make_llm(spec=spec)
-    plain = _install_script(llm, params, 0)
+    plain = _install_script(llm, params, wrong_every)
+    unpenalised = make_llm().generate(PROMPTS, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
+    assert [o.token_ids for o in plain] != [o.token_ids for o in unpenalised]  # the penalty is felt
     out = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
-    assert out[0].spec.mean_acceptance_length > 2
+    assert out[0].spec.mean_acceptance_length > (2 if wrong_every == 0 else 1.2)
 
 
 def test_stops_inside_an_accepted_run():

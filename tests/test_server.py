@@ -131,6 +131,22 @@ def test_chat_completion_uses_the_template(spec_server):
     assert "spec" in r.model_extra
 
 
+def test_presence_and_frequency_penalties_equal_plain_decoding_with_them(spec_server):
+    """The openai client's presence/frequency penalties reach the engine: the speculative server
+    answers what plain decoding with the same penalties does, and that differs from no penalty."""
+    server, _ = spec_server
+    loaded = chat_loaded()
+    llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=1))
+    penalties = {"presence_penalty": 1.2, "frequency_penalty": 0.6}
+    moved = False
+    for prompt in PROMPTS[:3]:
+        want = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, **penalties))[0].text
+        r = client(server).completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, **penalties)
+        assert r.choices[0].text == want
+        moved |= want != plain_greedy(loaded, prompt, 24)[0]
+    assert moved
+
+
 def test_max_completion_tokens_is_max_tokens(spec_server):
     """OpenAI's newer name (what current clients and load generators such as guidellm send)."""
     server, _ = spec_server
@@ -311,6 +327,11 @@ ERRORS = [
     ("/completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
     ("/chat/completions", {"messages": []}, 400, "messages"),
     ("/chat/completions", {"messages": [{"role": "wizard", "content": "1"}]}, 400, "messages.0.role"),
+    ("/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0"),
+    ("/chat/completions", {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "1"}]}, 400,
+     "messages.0"),
+    ("/completions", {"prompt": [1, 2], "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/completions", {"prompt": [1, 2], "frequency_penalty": -3}, 400, "frequency_penalty"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "1 2"}], "model": "nope"}, 404, "model"),
     ("/chat/completions", {"messages": [{"role": "user", "content": " ".join(["1"] * MAX_LEN)}]}, 400, "messages"),
 ]

@@ -7,6 +7,8 @@ import torch
 
 from tandem.config import SamplingParams
 from tandem.sampling import NonFiniteLogitsError, make_generator, processed_probs
+from tandem.types import Draft
+from tandem.verify import grading
 from tandem.verify.chain import verify_chain, verify_chain_from_uniforms
 from tandem.verify.grading import grade_greedy_chain
 
@@ -287,3 +289,52 @@ def test_greedy_chain_fast_path_commits_what_the_dense_rule_commits():
     bad[2, 1] = float("nan")
     with pytest.raises(NonFiniteLogitsError):
         grade_greedy_chain(bad, [0, 0])
+
+
+def test_presence_and_frequency_penalties_subtract_from_generated_tokens_only():
+    """logit[t] -= presence * (c_t > 0) + frequency * c_t, with c_t counted over the tokens after
+    the prompt; the repetition penalty still sees prompt and output."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0, 3.0]])
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    context, prompt = [5, 0, 1, 1, 1, 3], 2  # generated: 1 x3, 3 x1; the prompt's 5 and 0 do not count
+    counts = grading.output_counts(context, params, prompt)
+    assert counts[0].tolist() == [1, 3] and counts[1].tolist() == [3.0, 1.0]
+    expected = logits.clone()
+    expected[0, 1] -= 0.5 + 0.25 * 3
+    expected[0, 3] -= 0.5 + 0.25 * 1
+    assert torch.allclose(processed_probs(logits, params, None, counts), torch.softmax(expected, -1))
+    assert grading.output_counts(context, params, None)[0].numel() == 0  # all prompt: nothing generated
+    assert grading.output_counts(context, SamplingParams(), prompt) is None
+    # Negative penalties reward repeats; combined with the repetition penalty (applied first).
+    both = SamplingParams(temperature=1.0, repetition_penalty=2.0, frequency_penalty=-1.0)
+    expected = logits.clone()
+    for t in set(context):
+        expected[0, t] = expected[0, t] / 2.0 if expected[0, t] > 0 else expected[0, t] * 2.0
+    expected[0, 1] += 3.0
+    expected[0, 3] += 1.0
+    got = processed_probs(logits, both, grading.seen_ids(context, both), grading.output_counts(context, both, prompt))
+    assert torch.allclose(got, torch.softmax(expected, -1))
+
+
+def test_penalised_rows_count_the_drafts_on_their_path():
+    """Row i of a penalised round counts d_1..d_i as generated, as plain decoding would after
+    committing them; greedy grading then compares argmaxes of the penalised rows."""
+    logits = torch.zeros(3, V)
+    logits[:, 2] = 1.0  # every raw row's argmax is 2
+    logits[:, 4] = 0.9
+    params = SamplingParams(temperature=0.0, presence_penalty=0.2)
+    draft = Draft([2, 2])
+    rows = grading.target_probs(logits, draft, params, [1, 1], num_prompt_tokens=2)
+    # row 0: nothing generated yet -> 2; rows 1 and 2 have 2 generated: 1.0 - 0.2 < 0.9 -> 4
+    assert rows.argmax(-1).tolist() == [2, 4, 4]
+    committed, path = grading.grade_round(logits, draft, params, [1, 1], None, num_prompt_tokens=2)
+    assert committed == [2, 4] and path == [0]
+    # Unpenalised, the same round accepts both drafts.
+    assert grading.grade_round(logits, draft, SamplingParams(temperature=0.0), [1, 1], None, 2)[0] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [2.5, -2.01, float("nan")])
+def test_output_penalties_outside_openais_range_are_refused(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})

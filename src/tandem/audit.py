@@ -2,9 +2,10 @@
 
 Many independent speculative rounds are run from one context with the real drafter, the real
 target forward and the engine's own grading (`tandem.verify.grading.grade_round`: the same
-processing of p, repetition penalty included, and the same chain or tree rule). Each outcome is
+processing of p, penalties included, and the same chain or tree rule). Each outcome is
 compared against distributions computed exactly from the target, as plain decoding would sample
-(the repetition penalty sees the context and the prefix):
+(the repetition penalty sees the context and the prefix; the presence and frequency penalties
+count the prefix, the round's generated tokens):
 - the token at draft position j, given the round reached j with the most common accepted prefix,
   must follow p_j(. | context, prefix) (position 1 is the first committed token);
 - the recovered token after a rejection at position 1 must follow norm(max(0, p_1 - q_1)) (a
@@ -168,16 +169,21 @@ class Auditor:
 
     def exact(self, prefix: tuple[int, ...]) -> torch.Tensor:
         """The target distribution plain decoding samples after context + prefix: [V], processed
-        with the repetition penalty over context and prefix. Computed here, independently of the
-        grading under audit."""
+        with the repetition penalty over context and prefix and the presence and frequency
+        penalties over the prefix (the context is the prompt). Computed here, independently of
+        the grading under audit."""
         if prefix not in self._exact:
             row, n = self.rows[0], len(self.ctx) - 1
             logits = self.runner.forward([SeqInput(row, [self.ctx[-1], *prefix], logits="last")]).logits
             self.cache.truncate(row, n)
-            seen = None
+            seen = counts = None
             if self.params.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(self.ctx) | set(prefix)), dtype=torch.long)
-            self._exact[prefix] = processed_probs(logits, self.params, seen)[0]
+            if self.params.penalizes_output:  # the prefix is all the output there is
+                generated = collections.Counter(prefix)
+                ids = sorted(generated)
+                counts = (torch.tensor(ids, dtype=torch.long), torch.tensor([generated[i] for i in ids], dtype=torch.float32))
+            self._exact[prefix] = processed_probs(logits, self.params, seen, counts)[0]
         return self._exact[prefix]
 
     def run(self, rounds: int, seed: int = 0) -> list[_Round]:

@@ -35,6 +35,10 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 / top_p 1 / min_p 0 / repetition_penalty 1 disable
     their filters. The processed distribution these define is what plain sampling draws from and
     what the verifier compares drafts against.
+
+    repetition_penalty (CTRL's) acts on every token of prompt and output; presence_penalty and
+    frequency_penalty (OpenAI's, in [-2, 2]) on the generated tokens only, as vLLM and SGLang
+    apply them: logit[t] -= presence * (c_t > 0) + frequency * c_t, c_t the times t was generated.
     """
 
     temperature: float = 1.0
@@ -42,6 +46,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_tokens: int = 128
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -70,6 +76,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
@@ -81,6 +91,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         # As vLLM: temperatures this small are argmax in all but name (and 1/T overflows).
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalizes_output(self) -> bool:
+        """Whether the presence or frequency penalty moves logits (they count generated tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty moves logits: then each verification row must see the tokens
+        before it, drafts on its path included."""
+        return self.repetition_penalty != 1.0 or self.penalizes_output
 
 
 SPEC_POLICIES = ("fixed", "adaptive", "confidence")

@@ -1,8 +1,8 @@
 """Logits -> processed probability vectors, and seeded draws from them.
 
 The processed vector is exactly what plain sampling draws from; the verifier compares drafts
-against the same vectors (docs/algorithms.md section 1). Order: repetition penalty, temperature,
-top-k, top-p, min-p, then renormalise, all in fp32.
+against the same vectors (docs/algorithms.md section 1). Order: repetition penalty, presence and
+frequency penalties, temperature, top-k, top-p, min-p, then renormalise, all in fp32.
 """
 
 from __future__ import annotations
@@ -43,20 +43,37 @@ def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penal
     return logits
 
 
+def apply_output_penalties(logits: torch.Tensor, output_counts: tuple[torch.Tensor, torch.Tensor],
+                           presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: logit[t] -= presence + frequency * c_t for each
+    generated token t, c_t the times it was generated (output_counts: (ids, counts))."""
+    ids, counts = output_counts
+    if ids.numel() == 0 or (presence == 0.0 and frequency == 0.0):
+        return logits
+    logits = logits.clone()
+    logits[..., ids] -= presence + frequency * counts.to(logits.dtype)
+    return logits
+
+
 def processed_probs(
     logits: torch.Tensor,
     params: SamplingParams,
     seen_ids: torch.Tensor | None = None,
+    output_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[N, V] logits -> [N, V] fp32 probabilities that plain sampling draws from.
 
-    Greedy (temperature 0) gives the one-hot vector of the argmax.
+    seen_ids: the distinct ids of prompt and output (the repetition penalty's); output_counts:
+    (ids, counts) of the generated tokens (the presence and frequency penalties'). Greedy
+    (temperature 0) gives the one-hot vector of the argmax of the penalised logits.
     """
     logits = logits.float()
     if not all_finite(logits):
         raise NonFiniteLogitsError("the model produced NaN or inf logits")
     if seen_ids is not None:
         logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    if output_counts is not None:
+        logits = apply_output_penalties(logits, output_counts, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         probs = torch.zeros_like(logits)
         probs.scatter_(-1, row_argmax(logits).unsqueeze(-1).to(logits.device), 1.0)

@@ -344,13 +344,13 @@ class Engine:
 
     def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
         """Plain decoding's token from the last row (the shared grading's empty-draft case)."""
-        return grading.sample_plain(logits, req.params, req.context, req.generator)
+        return grading.sample_plain(logits, req.params, req.context, req.generator, len(req.prompt_ids))
 
     def _grade(self, logits: torch.Tensor, req: Request, draft: Draft) -> tuple[list[int], list[int]]:
         """Target logits [n+1, V] for [next_token, d_1..d_n] -> committed tokens and the accepted
         draft nodes (a chain's are 0..accepted-1). Through `grading.grade_round`, the function
         `tandem audit` grades with: the audit checks exactly this."""
-        return grading.grade_round(logits, draft, req.params, req.context, req.generator)
+        return grading.grade_round(logits, draft, req.params, req.context, req.generator, len(req.prompt_ids))
 
     def _commit(self, req: Request, tokens: list[int], counts: "RoundCounts",
                 origins: list[str] | None = None) -> tuple[StepUpdate, "RoundCounts"]:

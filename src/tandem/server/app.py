@@ -267,7 +267,8 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
             try:
                 choices.append(SamplingParams(
                     temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p, min_p=body.min_p,
-                    repetition_penalty=body.repetition_penalty, max_tokens=body.max_tokens or room,
+                    repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty, max_tokens=body.max_tokens or room,
                     seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
                     max_draft_tokens=body.speculative_num_draft_tokens, token_origins=body.return_provenance,
                 ))

@@ -52,8 +52,10 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
     repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, description="extension")
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not implemented: only 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not implemented: only 0")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every token "
+                                                                      "generated so far")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="times each generated token's count so far, "
+                                                                       "subtracted from its logit")
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
@@ -129,6 +131,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self):
+        # OpenAI lets only an assistant message (one that called tools) omit its content.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):

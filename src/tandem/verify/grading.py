@@ -2,7 +2,7 @@
 
 The engine and `tandem audit` both grade through `grade_round`, so the audit checks exactly
 what the engine commits: the same processing of p (temperature, top-k, top-p, min-p and the
-repetition penalty, row by row), the same chain or tree rule and the same draws from the
+repetition, presence and frequency penalties, row by row), the same chain or tree rule and the same draws from the
 request's generator. Both look the function up as `grading.grade_round` (and it looks up
 `target_probs`, `verify_chain` and `verify_tree` as this module's attributes), so a test that
 swaps in a broken piece breaks the engine and the audit alike.
@@ -10,6 +10,7 @@ swaps in a broken piece breaks the engine and the audit alike.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -28,12 +29,15 @@ def grade_round(
     params: SamplingParams,
     context: Sequence[int],
     generator: torch.Generator | None,
+    num_prompt_tokens: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """Grade one request's round.
 
     logits: [n + 1, V] target logits for [next_token, d_1..d_n] (row 0 predicts position 1;
         tree rows follow the draft's node order). context: the committed token ids, next_token
-        included (prompt + output): what the repetition penalty sees before this round.
+        included (prompt + output): what the penalties see before this round; its first
+        num_prompt_tokens are the prompt (None: all of it, as in an audit from a prompt), the
+        rest are what the presence and frequency penalties count.
     draft: the round's Draft; an empty one is plain decoding (one draw, or the argmax, from the
         last row, exactly as without speculation).
     generator: the request's generator (greedy requests without a penalty draw nothing).
@@ -43,10 +47,10 @@ def grade_round(
     in use holds NaN or inf.
     """
     if not draft.token_ids:
-        return [sample_plain(logits, params, context, generator)], []
-    if params.greedy and params.repetition_penalty == 1.0 and not draft.is_tree:
+        return [sample_plain(logits, params, context, generator, num_prompt_tokens)], []
+    if params.greedy and not params.penalized and not draft.is_tree:
         return grade_greedy_chain(logits, draft.token_ids)
-    probs = target_probs(logits, draft, params, context)
+    probs = target_probs(logits, draft, params, context, num_prompt_tokens)
     if draft.is_tree:
         if draft.probs is not None:
             raise ValueError("tree drafts must be deterministic (top-k children); sampled trees are not supported")
@@ -80,30 +84,37 @@ def grade_greedy_chain(logits: torch.Tensor, drafted: Sequence[int]) -> tuple[li
 
 
 def sample_plain(
-    logits: torch.Tensor, params: SamplingParams, context: Sequence[int], generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, context: Sequence[int], generator: torch.Generator | None,
+    num_prompt_tokens: int | None = None,
 ) -> int:
     """Plain decoding's token from the last row of logits [N, V]: the argmax under greedy without
-    a penalty (no draw), else one draw from the processed distribution."""
-    if params.greedy and params.repetition_penalty == 1.0:
+    a penalty (no draw), else one draw from the processed distribution (context and
+    num_prompt_tokens as grade_round's)."""
+    if params.greedy and not params.penalized:
         if not all_finite(logits[-1]):
             raise NonFiniteLogitsError("the model produced NaN or inf logits")
         return int(row_argmax(logits[-1]))
-    probs = processed_probs(logits[-1:], params, seen_ids(context, params))
+    probs = processed_probs(logits[-1:], params, seen_ids(context, params),
+                            output_counts(context, params, num_prompt_tokens))
     return int(sample(probs, generator)[0])
 
 
-def target_probs(logits: torch.Tensor, draft: Draft, params: SamplingParams, context: Sequence[int]) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, draft: Draft, params: SamplingParams, context: Sequence[int],
+                 num_prompt_tokens: int | None = None) -> torch.Tensor:
     """[n + 1, V] logits -> processed p, each row exactly as plain sampling would process it at
-    that point: with a repetition penalty, row i also penalises the draft tokens on its path
+    that point: with a penalty, row i also counts the draft tokens on its path as generated
     (row 0: the context alone)."""
-    if params.repetition_penalty == 1.0:
+    if not params.penalized:
         return processed_probs(logits, params)
-    known = set(context)
+    known = set(context) if params.repetition_penalty != 1.0 else None
+    generated = Counter(_generated(context, num_prompt_tokens)) if params.penalizes_output else None
     paths = [[]] + tree_paths(draft.parents if draft.is_tree else list(range(-1, len(draft) - 1)))
     rows = []
     for row, path in enumerate(paths):
-        seen = torch.tensor(sorted(known | {draft.token_ids[i] for i in path}), dtype=torch.long)
-        rows.append(processed_probs(logits[row : row + 1], params, seen))
+        on_path = [draft.token_ids[i] for i in path]
+        seen = None if known is None else torch.tensor(sorted(known.union(on_path)), dtype=torch.long)
+        counts = None if generated is None else _id_counts(generated + Counter(on_path))
+        rows.append(processed_probs(logits[row : row + 1], params, seen, counts))
     return torch.cat(rows)
 
 
@@ -112,3 +123,22 @@ def seen_ids(context: Sequence[int], params: SamplingParams) -> torch.Tensor | N
     if params.repetition_penalty == 1.0:
         return None
     return torch.tensor(sorted(set(context)), dtype=torch.long)
+
+
+def output_counts(context: Sequence[int], params: SamplingParams,
+                  num_prompt_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids, counts) of the generated tokens in `context` (those after its first
+    num_prompt_tokens; None: it is all prompt), which the presence and frequency penalties
+    apply to; None without those penalties."""
+    if not params.penalizes_output:
+        return None
+    return _id_counts(Counter(_generated(context, num_prompt_tokens)))
+
+
+def _generated(context: Sequence[int], num_prompt_tokens: int | None) -> Sequence[int]:
+    return () if num_prompt_tokens is None else context[num_prompt_tokens:]
+
+
+def _id_counts(counts: Counter) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = sorted(counts)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor([counts[i] for i in ids], dtype=torch.float32)
