@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from tandem.model.loader import LoadedModel
 
 # Under pytest-xdist each worker takes one core: two workers with two threads each would
 # oversubscribe the cores and leave OpenMP teams spinning at barriers.

@@ -26,12 +26,12 @@ def configure_threads(threads: int | None) -> int:
     return n
 
 
-
 def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Messages -> token ids through the tokenizer's chat template, ready for the assistant's turn
     (transformers returns a list or, in some versions, a dict holding input_ids)."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
 
 class LLM:
     """Load a target (and drafter) once; generate for one prompt or many (batched)."""
