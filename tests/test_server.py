@@ -147,6 +147,60 @@ def test_presence_and_frequency_penalties_equal_plain_decoding_with_them(spec_se
     assert moved
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_equal_plain_decodings(spec_server, chat, stream):
+    """Logprobs through the openai client, streamed or not: one per output token, each the
+    target's log-probability of that token as plain decoding computes it (the speculative server
+    grades drafts in forwards of other sizes, so within fp32 rounding), with the asked-for number
+    of alternatives, most likely first."""
+    server, _ = spec_server
+    loaded = chat_loaded()
+    llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=1))
+    prompt = PROMPTS[1]
+    ids = [ROLE_IDS["user"], *prompt, GEN_PROMPT] if chat else prompt
+    want = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=20, logprobs=3))[0]
+    c = client(server)
+    if chat:
+        kw = dict(model=NAME, messages=[{"role": "user", "content": text_of(prompt)}], max_tokens=20, temperature=0,
+                  logprobs=True, top_logprobs=3)
+        if stream:
+            entries = [e for ch in c.chat.completions.create(**kw, stream=True)
+                       if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+        else:
+            entries = c.chat.completions.create(**kw).choices[0].logprobs.content
+        assert [e.token for e in entries] == [f"<{t}>" for t in want.token_ids]
+        assert [e.bytes for e in entries] == [list(f"<{t}>".encode()) for t in want.token_ids]
+        got, tops = [e.logprob for e in entries], [[t.token for t in e.top_logprobs] for e in entries]
+    else:
+        kw = dict(model=NAME, prompt=prompt, max_tokens=20, temperature=0, logprobs=3)
+        if stream:
+            parts = [ch.choices[0].logprobs for ch in c.completions.create(**kw, stream=True)
+                     if ch.choices and ch.choices[0].logprobs]
+            tokens = [t for p in parts for t in p.tokens]
+            got = [lp for p in parts for lp in p.token_logprobs]
+            top_dicts = [d for p in parts for d in p.top_logprobs]
+            offsets = [o for p in parts for o in p.text_offset]
+        else:
+            lp = c.completions.create(**kw).choices[0].logprobs
+            tokens, got, top_dicts, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+        assert tokens == [f"<{t}>" for t in want.token_ids]
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        tops = [sorted(d, key=d.get, reverse=True) for d in top_dicts]
+    assert got == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert tops == [[f"<{t}>" for t, _ in e.top] for e in want.logprobs]
+
+
+def test_no_logprobs_field_unless_asked(spec_server):
+    server, _ = spec_server
+    r = client(server).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "1 2"}], max_tokens=4)
+    assert r.choices[0].logprobs is None
+    r = client(server).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "1 2"}], max_tokens=4,
+                                               logprobs=True)
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    assert all(e.top_logprobs == [] for e in r.choices[0].logprobs.content)
+
+
 def test_max_completion_tokens_is_max_tokens(spec_server):
     """OpenAI's newer name (what current clients and load generators such as guidellm send)."""
     server, _ = spec_server
@@ -321,7 +375,11 @@ ERRORS = [
     ("/completions", {"prompt": []}, 400, "prompt"),
     ("/completions", {"prompt": [1, 2], "n": 1000}, 400, "n"),
     ("/completions", {"prompt": [1, 2], "stop": [""]}, 400, "stop"),
-    ("/completions", {"prompt": [1, 2], "logprobs": 3}, 400, None),
+    ("/completions", {"prompt": [1, 2], "logprobs": 21}, 400, "logprobs"),
+    ("/completions", {"prompt": [1, 2], "echo": True}, 400, None),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}, 400, None),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "logprobs": True, "top_logprobs": 30}, 400,
+     "top_logprobs"),
     ("/completions", {"prompt": [1, 2], "seed": 2**70}, 400, "seed"),
     ("/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),

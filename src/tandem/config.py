@@ -28,6 +28,9 @@ def kv_cache_dtype_name(requested: str) -> str:
     return name
 
 
+MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens and when it stops (vLLM-shaped).
@@ -56,6 +59,9 @@ class SamplingParams:
     # Speculation for this request: at most this many draft tokens per round along a path (None:
     # the engine's setting; 0: plain decoding). Output is the same either way; only speed moves.
     max_draft_tokens: int | None = None
+    # Each output token's log-probability under the target and its row's `logprobs` most likely
+    # tokens (types.TokenLogprob); None: none are computed.
+    logprobs: int | None = None
     # Record which tokens the drafter wrote and the target kept (Request.origin_pieces): costs a
     # detokenisation per token, so only requests that ask for it (the playground) pay.
     token_origins: bool = False
@@ -84,6 +90,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
         if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0 (0: plain decoding), got {self.max_draft_tokens}")
 

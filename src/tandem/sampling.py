@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tandem.config import SamplingParams
+from tandem.types import TokenLogprob
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -98,6 +99,17 @@ def processed_probs(
         floor = params.min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the raw distribution of its row of logits [len(tokens),
+    V] (log_softmax, fp32), with that row's `top` most likely tokens."""
+    logp = torch.log_softmax(rows.float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if top == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+    values, ids = logp.topk(top, dim=-1)
+    return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
 
 # A seeded request's generator on another device than the target's (a drafter sampling there)

@@ -230,6 +230,17 @@ def _add_counts(a: list[int], b: list[int]) -> list[int]:
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log-probability under the target's raw distribution at its position
+    (log_softmax of the logits, before penalties, temperature and filters, as vLLM reports by
+    default), and that row's most likely tokens, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """A finished (or streaming) request, shaped like vLLM's output."""
@@ -244,6 +255,8 @@ class RequestOutput:
     # Who wrote each of token_ids (accepted, recovered, bonus or target), when
     # SamplingParams.token_origins asked for it.
     token_origins: list[str] | None = None
+    # One per token of token_ids, when SamplingParams.logprobs asked for them.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -28,7 +28,7 @@ from tandem.engine.rounds import RoundCounts, StepUpdate, chunk_inputs, round_or
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
 from tandem.model.runner import ForwardOutput, ModelRunner, SeqInput
-from tandem.sampling import NonFiniteLogitsError, make_generator
+from tandem.sampling import NonFiniteLogitsError, make_generator, token_logprobs
 from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.factory import create_policy
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy
@@ -183,7 +183,7 @@ class Engine:
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
-            updates.append(self._commit(req, [token], RoundCounts(0, 0, 0))[0])
+            updates.append(self._commit(req, [token], RoundCounts(0, 0, 0), rows=out.rows(b)[-1:])[0])
         return updates
 
     def _decode_round(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
@@ -199,12 +199,13 @@ class Engine:
         out, tokens = self._verify_forward(batch, drafts, chunks)
         updates, outcomes = [], []
         for b, (req, draft) in enumerate(zip(batch, drafts)):
+            logits = out.rows(b)
             try:
-                committed, path = self._grade(out.rows(b), req, draft)
+                committed, path = self._grade(logits, req, draft)
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
-            update, counted = self._commit_round(req, draft, committed, path, out, out.bounds[b])
+            update, counted = self._commit_round(req, draft, committed, path, out, b, logits)
             updates.append(update)
             outcomes.append(DraftOutcome(req.request_id, counted.drafted, counted.accepted, update.new_token_ids))
         # A forward that also prefilled prompt rows (no LM head, other contexts) is not a sample
@@ -228,11 +229,12 @@ class Engine:
         return out, self.runner.verify_rows([len(i.token_ids) for i in inputs])
 
     def _commit_round(self, req: Request, draft: Draft, committed: list[int], path: list[int],
-                      out: ForwardOutput, first_row: int) -> tuple[StepUpdate, RoundCounts]:
+                      out: ForwardOutput, b: int, logits: torch.Tensor) -> tuple[StepUpdate, RoundCounts]:
         """Keep the KV and hidden rows of next_token + the accepted drafts (the recovered/bonus
-        token is the next input; the request's rows of the forward start at `first_row`), then
+        token is the next input; the request is the forward's input b, its logits `logits`), then
         append the committed tokens."""
         kept_rows = [0] + [node + 1 for node in path]
+        first_row = out.bounds[b]
         self.cache.keep(req.seq, kept_rows)
         if out.stacked_hidden is not None:
             # A chain keeps a leading run of rows: a slice; a tree's path: indices.
@@ -240,7 +242,10 @@ class Engine:
             req.hidden.add_stacked(out.hidden_layers, out.stacked_hidden,
                                    slice(first_row, first_row + len(kept_rows)) if leading
                                    else [first_row + r for r in kept_rows])
-        update, counted = self._commit(req, committed, RoundCounts.of(draft, len(path)), round_origins(draft, path))
+        # Row kept_rows[i] of the request's logits is the distribution committed[i] came from.
+        rows = logits[kept_rows] if req.params.logprobs is not None else None
+        update, counted = self._commit(req, committed, RoundCounts.of(draft, len(path)), round_origins(draft, path),
+                                       rows)
         if self.policy is not None:
             self.policy.observe(req.request_id, counted.depth, counted.accepted)
         return update, counted
@@ -353,11 +358,16 @@ class Engine:
         return grading.grade_round(logits, draft, req.params, req.context, req.generator, len(req.prompt_ids))
 
     def _commit(self, req: Request, tokens: list[int], counts: "RoundCounts",
-                origins: list[str] | None = None) -> tuple[StepUpdate, "RoundCounts"]:
+                origins: list[str] | None = None, rows: torch.Tensor | None = None) -> tuple[StepUpdate, "RoundCounts"]:
         """Append the round's tokens (stop conditions apply inside the run) and record its
         counts, clipped at a stop: what follows it was never used, so it is not counted.
-        origins: each token's types.TOKEN_ORIGINS entry (default: all the target's)."""
+        origins: each token's types.TOKEN_ORIGINS entry (default: all the target's); rows: the
+        target's logits each token was drawn from [len(tokens), V], for params.logprobs."""
         kept = req.append(tokens, self.tokenizer, origins)
+        logprobs = None
+        if req.params.logprobs is not None and kept:
+            logprobs = token_logprobs(rows[:kept], tokens[:kept], req.params.logprobs)
+            req.logprobs.extend(logprobs)
         req.next_token = tokens[kept - 1] if kept else req.next_token
         if kept < len(tokens):
             counts = counts.clipped(kept)
@@ -369,8 +379,9 @@ class Engine:
         start = req.emitted_text_len
         text = req.take_new_text()
         if not req.params.token_origins:
-            return StepUpdate(req, tokens[:kept], text), counts
-        return StepUpdate(req, tokens[:kept], text, req.origin_pieces(start, start + len(text)), counts), counts
+            return StepUpdate(req, tokens[:kept], text, logprobs=logprobs), counts
+        return StepUpdate(req, tokens[:kept], text, req.origin_pieces(start, start + len(text)), counts,
+                          logprobs), counts
 
     def _fail(self, req: Request, err: Exception) -> StepUpdate:
         log.error("request %s ended: %s", req.request_id, err)

@@ -11,7 +11,7 @@ import torch
 
 from tandem.config import SamplingParams
 from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator
-from tandem.types import RequestOutput, SpecStats
+from tandem.types import RequestOutput, SpecStats, TokenLogprob
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
 
@@ -148,6 +148,8 @@ class Request:
     # appended (never less than for the token before), for `origin_pieces`.
     token_origins: list[str] = field(default_factory=list)
     _text_ends: list[int] = field(default_factory=list, repr=False)
+    # With params.logprobs: each output token's log-probability under the target.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def generator_on(self, device: str | torch.device) -> torch.Generator:
         """The generator for draws on `device`: the request's own where it lives, else one made
@@ -282,6 +284,7 @@ class Request:
             spec=self.stats,
             seconds=time.perf_counter() - self.arrival,
             token_origins=list(self.token_origins) if self.params.token_origins else None,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
         )
 
 

@@ -8,20 +8,23 @@ from dataclasses import dataclass
 
 from tandem.engine.request import Request
 from tandem.model.runner import SeqInput
-from tandem.types import Draft
+from tandem.types import Draft, TokenLogprob
 
 
 @dataclass
 class StepUpdate:
     """What one step did to one request: new tokens and text to stream, and whether it ended.
     With params.token_origins also the new text cut by who wrote it (Request.origin_pieces) and
-    the round's counts (None for a prompt chunk that sampled nothing)."""
+    the round's counts (None for a prompt chunk that sampled nothing); with params.logprobs each
+    new token's log-probability."""
 
     request: Request
     new_token_ids: list[int]
     new_text: str
     text_origins: list[tuple[str, str]] | None = None
     round: RoundCounts | None = None
+    # With params.logprobs: one per token of new_token_ids.
+    logprobs: list[TokenLogprob] | None = None
 
 
 

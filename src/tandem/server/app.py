@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from tandem.config import SamplingParams, ServerConfig
 from tandem.llm import chat_token_ids
 from tandem.server.async_engine import AsyncEngine, Delta, EngineStoppedError, Generation, QueueFullError
 from tandem.server.guard import RequestGuard
+from tandem.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from tandem.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -34,7 +36,9 @@ from tandem.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
@@ -48,9 +52,10 @@ from tandem.server.protocol import (
     error_payload,
 )
 from tandem.server.playground import playground_html
-from tandem.types import SpecStats
+from tandem.types import SpecStats, TokenLogprob
 
 log = logging.getLogger("tandem.server")
+T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.25
 # Normalizers may change a text's length; the early length check (ServingContext) allows for it.
@@ -88,10 +93,18 @@ class ServingContext:
         self.max_model_len = engine.engine.config.max_model_len
         self.vocab_size = engine.engine.loaded.config.vocab_size
         self.max_token_chars = longest_token_chars(self.tokenizer)
+        self.token_strings = TokenStrings(self.tokenizer)  # logprobs' token texts, on the same thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
 
-    async def tokenize(self, fn: Callable[[], list[int]]) -> list[int]:
+    async def tokenize(self, fn: Callable[[], T]) -> T:
+        """fn, which uses self.tokenizer, on the tokenizer's own thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        return await self.tokenize(lambda: completion_logprobs(entries, self.token_strings, offset))
+
+    async def chat_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
+        return await self.tokenize(lambda: chat_logprobs(entries, self.token_strings))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -271,6 +284,7 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                     frequency_penalty=body.frequency_penalty, max_tokens=body.max_tokens or room,
                     seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
                     max_draft_tokens=body.speculative_num_draft_tokens, token_origins=body.return_provenance,
+                    logprobs=body.logprobs_count,
                 ))
             except ValueError as err:
                 raise APIError(400, str(err)) from err
@@ -309,19 +323,25 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
         raise APIError(500, message, "internal_error")
     usage, spec = _usage(prompt_tokens, outputs)
     model = ctx.model_name
+    entries = {i: d.output.logprobs for i, d in outputs.items()} if body.logprobs_count is not None else {}
     if chat:
         choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=outputs[i].finish_reason,
-                              provenance=provenance.get(i)) for i in sorted(texts)]
+                              provenance=provenance.get(i),
+                              logprobs=await ctx.chat_logprobs(entries[i]) if entries else None)
+                   for i in sorted(texts)]
         return ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
     choices = [CompletionChoice(index=i, text=texts[i], finish_reason=outputs[i].finish_reason,
-                                provenance=provenance.get(i)) for i in sorted(texts)]
+                                provenance=provenance.get(i),
+                                logprobs=await ctx.completion_logprobs(entries[i], 0) if entries else None)
+               for i in sorted(texts)]
     return CompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
 
 
 async def _drain(gen: Generation, request: Request,
                  provenance: bool) -> tuple[dict[int, str], dict[int, Delta], dict[int, Provenance]]:
     """Collect every delta (text, final delta and, when asked for, provenance per choice);
-    abort the generation if the client goes away first."""
+    abort the generation if the client goes away first. The final delta's output holds the
+    choice's logprobs whole."""
 
     async def watch():
         while True:
@@ -373,15 +393,20 @@ def _error_event(delta: Delta) -> str:
 async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool,
                              provenance: bool) -> AsyncIterator[str]:
     finals: dict[int, Delta] = {}
+    text_offsets = [0] * len(gen.choices)  # where each choice's next token's text starts (logprobs)
     try:
         async for index, delta in gen:
             if delta.error:
                 yield _error_event(delta)
             if delta.finish_reason is not None:
                 finals[index] = delta
-            if delta.text or delta.finish_reason is not None or (provenance and delta.round is not None):
+            if delta.text or delta.logprobs or delta.finish_reason is not None or (provenance and delta.round is not None):
+                logprobs = None
+                if delta.logprobs:
+                    logprobs = await ctx.completion_logprobs(delta.logprobs, text_offsets[index])
+                    text_offsets[index] += sum(len(t) for t in logprobs.tokens)
                 choice = CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason,
-                                          provenance=_provenance(delta) if provenance else None)
+                                          provenance=_provenance(delta) if provenance else None, logprobs=logprobs)
                 yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[choice]))
         if include_usage:
             usage, spec = _usage(prompt_tokens, finals)
@@ -404,9 +429,11 @@ async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, in
         async for index, delta in gen:
             if delta.error:
                 yield _error_event(delta)
-            if delta.text or (provenance and delta.round is not None):
+            if delta.text or delta.logprobs or (provenance and delta.round is not None):
+                logprobs = await ctx.chat_logprobs(delta.logprobs) if delta.logprobs else None
                 yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
-                                             provenance=_provenance(delta) if provenance else None)])
+                                             provenance=_provenance(delta) if provenance else None,
+                                             logprobs=logprobs)])
             if delta.finish_reason is not None:
                 finals[index] = delta
                 yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=delta.finish_reason)])

@@ -21,7 +21,7 @@ from tandem.config import SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.rounds import RoundCounts, StepUpdate
 from tandem.server.metrics import ServerMetrics
-from tandem.types import RequestOutput
+from tandem.types import RequestOutput, TokenLogprob
 
 log = logging.getLogger("tandem.server")
 
@@ -40,7 +40,8 @@ class EngineStoppedError(RuntimeError):
 class Delta:
     """New output of one choice: text and tokens since the last delta; the final one carries the
     finish reason and the whole RequestOutput (usage, spec stats). Where the request asked for
-    token origins: the text cut by who wrote it and the round that ran (StepUpdate's)."""
+    token origins: the text cut by who wrote it and the round that ran (StepUpdate's); for
+    logprobs: its tokens' log-probabilities."""
 
     text: str
     token_ids: list[int]
@@ -49,6 +50,7 @@ class Delta:
     error: str | None = None
     text_origins: list[tuple[str, str]] | None = None
     round: RoundCounts | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, where asked for
 
 
 @dataclass
@@ -243,7 +245,7 @@ class AsyncEngine:
                 continue
             reason = u.request.finish_reason
             delta = Delta(u.new_text, u.new_token_ids, reason, u.request.output() if reason else None,
-                          text_origins=u.text_origins, round=u.round)
+                          text_origins=u.text_origins, round=u.round, logprobs=u.logprobs)
             if reason == "error":
                 delta.error = "the model produced NaN or inf logits for this request; it was ended"
             if reason:

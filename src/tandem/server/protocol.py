@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from tandem.config import GREEDY_TEMPERATURE
+from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS
 from tandem.types import TokenOrigin
 
 MAX_N = 16
@@ -23,8 +23,6 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Fields OpenAI defines that tandem does not implement: a request asking for them gets a 400
 # naming the field instead of a silently different answer.
 UNSUPPORTED = {
-    "logprobs": "log probabilities",
-    "top_logprobs": "log probabilities",
     "logit_bias": "logit_bias",
     "echo": "echo",
     "suffix": "suffix (insertion)",
@@ -97,11 +95,23 @@ class SamplingFields(BaseModel):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    @property
+    def logprobs_count(self) -> int | None:
+        """How many alternatives per output token the request asked for (None: no logprobs)."""
+        return None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="text, texts, token ids, or lists of token ids (each is one prompt)"
     )
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="each output token's log-probability and this many most likely "
+                                             "alternatives (the sampled token's is always included)")
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -147,6 +157,19 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = Field(False, description="each output token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: this many most likely alternatives per token")
+
+    @model_validator(mode="after")
+    def _check_top_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -199,11 +222,22 @@ class ProvenanceChoice(BaseModel):
         return data
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: per output token its text, log-probability, the most likely
+    alternatives with the sampled token among them, and where its text starts in the choice's
+    text (counted from the start of the choice, across a stream's chunks)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(ProvenanceChoice):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -221,11 +255,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(None, description="the token's UTF-8 bytes (a character may span tokens)")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(ProvenanceChoice):
     index: int
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -247,7 +295,7 @@ class ChatChunkChoice(ProvenanceChoice):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
