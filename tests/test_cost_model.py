@@ -114,3 +114,28 @@ def test_break_even_batch_by_hand():
     assert break_even_batch([0.6], CostCurve.from_points({1: 1.0, 2: 2.0}), k_max=4) == 1
     # Free verification at every size checked: None (it pays up to max_batch).
     assert break_even_batch([0.6], CostCurve.from_points({1: 1.0, 4096: 1.0}), k_max=4, max_batch=16) is None
+
+
+def test_fastest_of_settles_a_size_after_a_larger_one():
+    """A simulated machine whose forwards run slow for a few calls after a long one (as on a
+    Xeon whose L3 shares the weights with other tenants): with `size` the small sizes are timed
+    settled; without it the smallest size only ever runs right after the largest and reads slow."""
+    from tandem.model.cost import SETTLE_RUNS, fastest_of
+
+    now = [0.0]
+    state = {"slow_calls": 0}
+
+    def clock():
+        return now[0]
+
+    def forward(n):
+        now[0] += n * (2.0 if state["slow_calls"] else 1.0)
+        state["slow_calls"] = max(0, state["slow_calls"] - 1)
+        if n >= 8:
+            state["slow_calls"] = SETTLE_RUNS - 1
+
+    sizes = (1, 2, 4, 8)
+    unsettled = fastest_of(forward, sizes, repeats=3, clock=clock)
+    assert unsettled[1] == 2.0  # always measured in the slow spell after size 8
+    settled = fastest_of(forward, sizes, repeats=3, clock=clock, size=int)
+    assert settled == {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}

@@ -125,7 +125,7 @@ def _transformers_cost_curve(model, repeats: int = 5) -> dict[int, float]:
         model(ids, past_key_values=cache, use_cache=True)
         cache.crop(-n)  # transformers 5: a negative count drops that many trailing tokens
 
-    return fastest_of(fwd, CURVE_SIZES, repeats, _clock)
+    return fastest_of(fwd, CURVE_SIZES, repeats, _clock, size=int)  # measured as tandem's curve is
 
 
 def run_llamacpp(model_name: str, prompts: list[str], max_new: int, threads: int | None,

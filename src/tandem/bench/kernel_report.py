@@ -105,7 +105,7 @@ def bf16_dense_curve(model, repeats: int = 5, sizes=CURVE) -> dict[int, float]:
             F.linear(x, w)
 
     with torch.inference_mode():
-        return fastest_of(run, sizes, repeats)
+        return fastest_of(run, sizes, repeats, size=int)  # measured as tandem's curve is
 
 
 def kernel_report(loaded, gguf_path=None, with_bf16: bool = True) -> KernelReport:
