@@ -251,6 +251,12 @@ def test_parse_methods():
     with_corpus, without = parse_methods(["suffix", "suffix@corpus=0"])
     assert with_corpus.spec_config(4).corpus and not without.spec_config(4).corpus
     assert without.label == "suffix@corpus=0"
+    # The three policies side by side: the fixed length, the adaptive policy, the confidence scheduler.
+    fixed, adaptive, scheduled = parse_methods(["suffix", "suffix@adaptive=1", "dspark@sched=1"])
+    assert [m.spec_config(4).policy for m in (fixed, adaptive, scheduled)] == ["fixed", "adaptive", "confidence"]
+    assert adaptive.label == "suffix@adaptive=1"
+    with pytest.raises(ValueError, match="two policies"):
+        parse_methods(["dspark@sched=1@adaptive=1"])
     with pytest.raises(ValueError, match="bad option 'depth=3'"):
         parse_methods(["eagle3@depth=3"])
     with pytest.raises(ValueError, match="bad option 'topk=x'"):

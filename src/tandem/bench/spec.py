@@ -61,7 +61,8 @@ DEFINITIONS = {
 class Method:
     """A tandem drafter to benchmark: a registry name, the file it needs (if any), its k (None:
     the run's default), for EAGLE drafters top-k and depth, for hidden-state heads whether they
-    consult the lookup, and whether the confidence scheduler verifies its drafts."""
+    consult the lookup, and which policy prices its drafts: the fixed length (default), the
+    adaptive policy, or the confidence scheduler."""
 
     algorithm: str
     draft_path: str | None = None
@@ -71,12 +72,21 @@ class Method:
     lookup: bool = True
     corpus: bool = True
     scheduled: bool = False  # verified under the confidence scheduler (dspark), not the full draft
+    adaptive: bool = False  # each round's length picked by the adaptive policy on the cost curve
+
+    def __post_init__(self) -> None:
+        if self.scheduled and self.adaptive:
+            raise ValueError(f"{self.algorithm}: @sched=1 and @adaptive=1 name two policies; choose one")
 
     def spec_config(self, num_draft_tokens: int) -> SpecConfig:
         """The engine settings of this method, drafting `num_draft_tokens` unless it names its own."""
         return SpecConfig(algorithm=self.algorithm, num_draft_tokens=self.num_draft_tokens or num_draft_tokens,
                           draft_model_path=self.draft_path, eagle_topk=self.eagle_topk, num_steps=self.num_steps,
-                          lookup=self.lookup, corpus=self.corpus, policy="confidence" if self.scheduled else "fixed")
+                          lookup=self.lookup, corpus=self.corpus, policy=self.policy)
+
+    @property
+    def policy(self) -> str:
+        return "confidence" if self.scheduled else "adaptive" if self.adaptive else "fixed"
 
     @property
     def label(self) -> str:
@@ -95,12 +105,14 @@ class Method:
             name += "@corpus=0"
         if self.scheduled:
             name += "@sched=1"
+        if self.adaptive:
+            name += "@adaptive=1"
         return name
 
 
 # NAME[=PATH]@key=value options of --methods, and the Method field each sets.
 METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_steps", "lookup": "lookup",
-                  "corpus": "corpus", "sched": "scheduled"}
+                  "corpus": "corpus", "sched": "scheduled", "adaptive": "adaptive"}
 
 
 def parse_methods(items: list[str]) -> list[Method]:
@@ -123,9 +135,14 @@ def parse_methods(items: list[str]) -> list[Method]:
             key, _, value = option.partition("=")
             if key not in METHOD_OPTIONS or not value.isdigit():
                 raise ValueError(f"bad option {option!r} in --methods item {item!r}; use @k=N, @topk=N, @steps=N, "
-                                 "@lookup=0|1, @corpus=0|1 or @sched=0|1 (the confidence scheduler)")
-            fields[METHOD_OPTIONS[key]] = bool(int(value)) if key in ("lookup", "corpus", "sched") else int(value)
-        methods.append(Method(name, path or None, **fields))
+                                 "@lookup=0|1, @corpus=0|1, @sched=0|1 (the confidence scheduler) or @adaptive=0|1 "
+                                 "(the adaptive policy)")
+            flag = key in ("lookup", "corpus", "sched", "adaptive")
+            fields[METHOD_OPTIONS[key]] = bool(int(value)) if flag else int(value)
+        try:
+            methods.append(Method(name, path or None, **fields))
+        except ValueError as err:
+            raise ValueError(f"--methods item {item!r}: {err}") from err
     if not methods:
         raise ValueError("--methods is empty; name at least one drafter")
     labels = [m.label for m in methods]
