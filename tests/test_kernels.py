@@ -129,19 +129,39 @@ def rope_tables(M: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # D 16 and 24 take the any-width path; 64, 128 and 256 the register paths, where queries of one
 # kv head share each key load.
+def blocked_keys(keys: torch.Tensor) -> torch.Tensor:
+    """[S, Hkv, M, D] keys in the blocked layout [S, Hkv, M / 16, D, 16] (KVCache.block_keys)."""
+    S, Hkv, M, D = keys.shape
+    return keys.view(S, Hkv, M // 16, 16, D).transpose(3, 4).contiguous()
+
+
+def logical_keys(blocked: torch.Tensor) -> torch.Tensor:
+    S, Hkv, B, D, _ = blocked.shape
+    return blocked.transpose(3, 4).reshape(S, Hkv, B * 16, D)
+
+
+# D 16 and 24 take the any-width path; 64, 128 and 256 the register paths, where queries of one
+# kv head share each key load. Keys stored [M, D] (a drafter's own caches) or in blocks of 16
+# (the shared cache of the fused path), whose slots 20-34 cross a block boundary.
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("D", [16, 64, 128, 256])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_attend_matches_reference_attention(window, D, kv_dtype):
+@pytest.mark.parametrize("layout", ["rows", "blocked"])
+def test_attend_matches_reference_attention(window, D, kv_dtype, layout):
     torch.manual_seed(4)
     k = block_kernels()
-    Hq, Hkv, M, T, start = 6, 2, 12, 3, 5
+    Hq, Hkv, M, T, start = 6, 2, 48, 15, 20
     kc, vc = torch.zeros(2, Hkv, M, D, dtype=kv_dtype), torch.zeros(2, Hkv, M, D, dtype=kv_dtype)
     kc[1, :, :start], vc[1, :, :start] = torch.randn(Hkv, start, D), torch.randn(Hkv, start, D)
     cos, sin = rope_tables(M, D)
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D)
     slots = torch.arange(start, start + T)
-    out = k.attend(qkv, torch.ones(T, dtype=torch.long), slots, cos, sin, kc, vc, Hq, Hkv, window, 0.25)
+    blocked = layout == "blocked"
+    kb = blocked_keys(kc) if blocked else kc
+    out = k.attend(qkv, torch.ones(T, dtype=torch.long), slots, cos, sin, kb, vc, Hq, Hkv, window, 0.25,
+                   keys_blocked=blocked)
+    if blocked:
+        kc = logical_keys(kb)
 
     def rope(x, p):
         return x * cos[p] + torch.roll(x, D // 2, -1) * sin[p]
@@ -233,9 +253,9 @@ def test_fused_path_matches_general_path(arch):
     _, model = block_model(arch)
     assert fused_eligible(model)
     prompt = list(range(10, 30))
-    fused, general = runner_for(model), runner_for(model)
-    assert fused.fused is not None
-    general.fused = None
+    fused = runner_for(model)
+    general = ModelRunner(model, KVCache(model.cfg, 4, 64, model.dtype), fused=False)
+    assert fused.fused is not None and general.fused is None
     a, b = fused.cache.allocate(), general.cache.allocate()
     out_f = fused.forward([SeqInput(a, prompt, logits="all")], hidden_layers=(0, 2))
     out_g = general.forward([SeqInput(b, prompt, logits="all")], hidden_layers=(0, 2))

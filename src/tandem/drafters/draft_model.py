@@ -132,13 +132,14 @@ class DraftLM:
         old = self.cache
         n = old.max_seqs
         new = KVCache(self.loaded.config, 2 * n, old.max_len, self.loaded.dtype, old.k.device, old.k.dtype)
+        runner = ModelRunner(self.loaded.model, new)  # first: it may choose the keys' layout
         for _ in range(n):  # a fresh cache hands out rows 0, 1, ...: the same ids the full one uses
             new.allocate()
         new.k[:, :n] = old.k
         new.v[:, :n] = old.v
         new.slot_positions[:n] = old.slot_positions
         new.lengths[:n] = old.lengths
-        self.cache, self.runner = new, ModelRunner(self.loaded.model, new)
+        self.cache, self.runner = new, runner
 
     def _forward(self, items: list[tuple[_Row, list[int]]]) -> torch.Tensor:
         """Feed each row its tokens; logits [len(items), V] after each row's last token."""

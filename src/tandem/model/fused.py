@@ -109,5 +109,5 @@ class FusedDecoder:
         layers = tuple(sorted(set(li for li in hidden_layers if li <= L)))
         stacked = x.new_empty((len(layers), *x.shape)) if layers else None
         inner = {li: stacked[i] for i, li in enumerate(layers) if li < L}
-        self.kernels.decoder(self._layers, x, seq, slot, tree, cache.k, cache.v, self.shape, inner)
+        self.kernels.decoder(self._layers, x, seq, slot, tree, cache.k, cache.v, self.shape, inner, cache.keys_blocked)
         return x, layers, stacked

@@ -22,6 +22,10 @@ from tandem.model.arch import ModelConfig
 from tandem.model.transformer import LayerCache
 
 
+# Slots per block of keys when the cache stores them blocked (KVCache.block_keys).
+KEY_BLOCK = 16
+
+
 class CacheFullError(RuntimeError):
     pass
 
@@ -88,18 +92,10 @@ class KVCache:
     ) -> None:
         """dtype: the model's activation dtype; storage: the dtype the cache holds (default:
         kv_cache_dtype's choice for a model off the fused path)."""
-        shape = (cfg.num_layers, max_seqs, cfg.num_kv_heads, max_len, cfg.head_dim)
-        dtype = storage or kv_cache_dtype(dtype, device)
-        # Layout [L, S, Hkv, M, D]: a sequence's keys for one layer are a contiguous [Hkv, M, D]
-        # block, so a batch-1 read is a view and attention needs no gather.
-        self._lazy = [LazyZeros(shape, dtype), LazyZeros(shape, dtype)] if torch.device(device).type == "cpu" else []
-        if self._lazy:
-            self.k, self.v = (z.tensor for z in self._lazy)
-        else:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._cfg = cfg
+        self.keys_blocked = False
+        self._allocate(max_seqs, max_len, storage or kv_cache_dtype(dtype, device), device)
         self.bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.k.element_size()
-        self.layers = [LayerCache(self.k[i], self.v[i]) for i in range(cfg.num_layers)]
         # Position of the token stored in each slot: equal to the slot index for committed
         # tokens, the tree depth position for uncommitted tree nodes (sliding windows need it).
         self.slot_positions = torch.zeros(max_seqs, max_len, dtype=torch.long, device=device)
@@ -109,6 +105,36 @@ class KVCache:
         self.last_start = [0] * max_seqs
         self._written = [False] * max_seqs  # a row has pages to give back
         self._free = list(range(max_seqs - 1, -1, -1))
+
+    def _allocate(self, max_seqs: int, max_len: int, dtype: torch.dtype, device: str | torch.device) -> None:
+        """The k and v tensors. Layout [L, S, Hkv, M, D]: a sequence's keys for one layer are a
+        contiguous [Hkv, M, D] block, so a batch-1 read is a view and attention needs no gather.
+        With keys_blocked, keys are [L, S, Hkv, M / 16, D, 16] (block_keys) and M is rounded up to
+        whole blocks for both."""
+        cfg = self._cfg
+        slots = -(-max_len // KEY_BLOCK) * KEY_BLOCK if self.keys_blocked else max_len
+        shape = (cfg.num_layers, max_seqs, cfg.num_kv_heads, slots, cfg.head_dim)
+        k_shape = shape[:3] + (slots // KEY_BLOCK, cfg.head_dim, KEY_BLOCK) if self.keys_blocked else shape
+        self._lazy = [LazyZeros(k_shape, dtype), LazyZeros(shape, dtype)] if torch.device(device).type == "cpu" else []
+        if self._lazy:
+            self.k, self.v = (z.tensor for z in self._lazy)
+        else:
+            self.k = torch.zeros(k_shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots_per_row = slots
+        # The general path's per-layer views (the fused kernels read k and v whole).
+        self.layers = [] if self.keys_blocked else [LayerCache(self.k[i], self.v[i]) for i in range(cfg.num_layers)]
+
+    def block_keys(self) -> None:
+        """Store keys in blocks of KEY_BLOCK slots, each block [D, 16]: dim d of 16 keys side by
+        side, which the fused CPU kernels score 16 keys per multiply-add from (block_matmul.cpp,
+        score_key_block). Only before anything is written; the general path does not read it."""
+        if self.keys_blocked:
+            return
+        if any(self._written):
+            raise ValueError("the cache's keys can change layout only before anything is written")
+        self.keys_blocked = True
+        self._allocate(self.max_seqs, self.max_len, self.k.dtype, self.k.device)
 
     @property
     def num_free(self) -> int:
@@ -149,8 +175,8 @@ class KVCache:
         """Give the pages row `seq` wrote back to the OS (CPU only; a no-op for an unused row)."""
         if not self._lazy or not self._written[seq]:
             return
-        L, S, Hkv, M, D = self.k.shape
-        row = Hkv * M * D * self.k.element_size()  # one layer's [Hkv, M, D] block of this row
+        L, S, Hkv, M, D = self.v.shape
+        row = Hkv * M * D * self.k.element_size()  # one layer's [Hkv, M, D] block of this row (blocked keys too)
         for layer in range(L):
             for z in self._lazy:
                 z.forget((layer * S + seq) * row, row)
@@ -170,7 +196,11 @@ class KVCache:
         """Row `dst` (just allocated) starts with the first `length` slots of row `src`."""
         if not 0 < length <= self.lengths[src] or self.lengths[dst]:
             raise ValueError(f"cannot copy {length} slots of row {src} (length {self.lengths[src]}) into row {dst}")
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        if self.keys_blocked:  # whole blocks: slots past `length` are never read before being written
+            blocks = -(-length // KEY_BLOCK)
+            self.k[:, dst, :, :blocks] = self.k[:, src, :, :blocks]
+        else:
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
         self.slot_positions[dst, :length] = self.slot_positions[src, :length]
         self.lengths[dst] = self.last_start[dst] = length
@@ -203,7 +233,12 @@ class KVCache:
             raise ValueError(f"node indices {node_indices} outside the last forward of sequence {seq}")
         src = torch.tensor([base + i for i in node_indices], dtype=torch.long, device=self.k.device)
         dst = slice(base, base + len(node_indices))
-        self.k[:, seq, :, dst] = self.k[:, seq, :, src]
+        if self.keys_blocked:  # slot s is block s // 16, lane s % 16 of [L, Hkv, M / 16, D, 16]
+            to = torch.arange(base, base + len(node_indices), device=self.k.device)
+            keys = self.k[:, seq]
+            keys[:, :, to // KEY_BLOCK, :, to % KEY_BLOCK] = keys[:, :, src // KEY_BLOCK, :, src % KEY_BLOCK]
+        else:
+            self.k[:, seq, :, dst] = self.k[:, seq, :, src]
         self.v[:, seq, :, dst] = self.v[:, seq, :, src]
         self.slot_positions[seq, dst] = torch.arange(base, base + len(node_indices), device=self.k.device)
         self.lengths[seq] = base + len(node_indices)

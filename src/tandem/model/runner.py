@@ -131,12 +131,16 @@ def _pack_calls(inputs: list[SeqInput], budget: int) -> list[list[tuple[int, Seq
 
 
 class ModelRunner:
-    def __init__(self, model: TransformerLM, cache: KVCache) -> None:
+    def __init__(self, model: TransformerLM, cache: KVCache, fused: bool = True) -> None:
+        """fused=False keeps the general path where the fused CPU kernels could run (to compare
+        the two)."""
         self.model = model
         self.cache = cache
         self.device = cache.k.device
         model.build_rope_tables(cache.max_len + 1)
-        self.fused = FusedDecoder.for_model(model) if self.device.type == "cpu" else None
+        self.fused = FusedDecoder.for_model(model) if fused and self.device.type == "cpu" else None
+        if self.fused is not None:
+            cache.block_keys()  # the layout the fused kernels score 16 keys at a time from
         self.windows = sorted(set(model.cfg.layer_windows), key=lambda w: -1 if w is None else w)
 
     def verify_rows(self, lengths) -> int:
@@ -182,6 +186,10 @@ class ModelRunner:
         if self.fused is not None and all(i.positions is None or i.parents is not None for i in inputs):
             return self._forward_fused(inputs, hidden_layers)
         model, cache = self.model, self.cache
+        if cache.keys_blocked:
+            raise ValueError("this forward needs the general path, which reads keys stored [M, D], but the fused "
+                             "kernels' cache stores them in blocks (positions without tree parents are not supported "
+                             "on the fused path)")
         B = len(inputs)
         starts = [cache.reserve(i.seq, len(i.token_ids)) for i in inputs]
         try:

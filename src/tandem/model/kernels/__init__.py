@@ -183,6 +183,7 @@ class _AttendArgs(ctypes.Structure):
         ("kv_half", ctypes.c_int),
         ("seq_k", ctypes.POINTER(ctypes.c_void_p)), ("seq_v", ctypes.POINTER(ctypes.c_void_p)),
         ("seq_M", ctypes.c_void_p),
+        ("k_blocked", ctypes.c_int),
     ]
 
 
@@ -205,6 +206,7 @@ class _DecoderArgs(ctypes.Structure):
         ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hi", ctypes.c_void_p),
         ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("M", ctypes.c_int64), ("layer_stride", ctypes.c_int64),
         ("capture", ctypes.POINTER(ctypes.c_void_p)), ("threads", ctypes.c_int), ("kv_half", ctypes.c_int),
+        ("k_blocked", ctypes.c_int),
     ]
 
 
@@ -359,13 +361,14 @@ class BlockKernels:
     def attend(self, qkv: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, window: int | None,
                scale: float, tree: "TreeKeys | None" = None, q_norm: torch.Tensor | None = None,
-               k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+               k_norm: torch.Tensor | None = None, eps: float = 0.0, keys_blocked: bool = False) -> torch.Tensor:
         """Per token t: RoPE(q, k) at position slot[t], k/v written to the cache row seq[t] at
         slot[t], attention over that row's slots [lo, slot[t]] -> [T, num_heads * D].
 
-        tree: tree nodes instead (see TreeKeys): RoPE at tree.pos[t], attention over slots
-        [lo, tree.hi[t]) and then the node's own path of slots. q_norm/k_norm [D]: an RMSNorm of
-        every q/k head before RoPE (Qwen3, Gemma 3).
+        v_cache [S, Hkv, M, D]; k_cache the same, or with keys_blocked [S, Hkv, M / 16, D, 16]
+        (KVCache.block_keys). tree: tree nodes instead (see TreeKeys): RoPE at tree.pos[t],
+        attention over slots [lo, tree.hi[t]) and then the node's own path of slots.
+        q_norm/k_norm [D]: an RMSNorm of every q/k head before RoPE (Qwen3, Gemma 3).
         """
         T = qkv.shape[0]
         D = cos.shape[1]
@@ -373,8 +376,9 @@ class BlockKernels:
         pos, hi, key_off, keys = (None,) * 4 if tree is None else (tree.pos, tree.hi, tree.key_off, tree.keys)
         args = _AttendArgs(
             _ptr(qkv), T, num_heads, num_kv_heads, D, _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
-            _ptr(keys), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), k_cache.shape[2], window or 0, scale,
+            _ptr(keys), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), v_cache.shape[2], window or 0, scale,
             _ptr(out), torch.get_num_threads(), _ptr(q_norm), _ptr(k_norm), eps, _kv_half(k_cache, v_cache),
+            None, None, None, int(keys_blocked),
         )
         self._attend(ctypes.byref(args))
         return out
@@ -401,18 +405,20 @@ class BlockKernels:
 
     def decoder(self, layers: ctypes.Array, x: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor,
                 tree: "TreeKeys | None", k_cache: torch.Tensor, v_cache: torch.Tensor, shape: "DecoderShape",
-                capture: dict[int, torch.Tensor]) -> None:
+                capture: dict[int, torch.Tensor], keys_blocked: bool = False) -> None:
         """Run every decoder layer over x [T, H] in place (see block_matmul.cpp decoder_forward):
         layers is a ctypes array of _DecoderLayer (decoder_layers builds it once per model);
-        k_cache/v_cache [L, S, Hkv, M, D] float32 or float16; capture {layer: [T, H] tensor} receives layer outputs."""
+        v_cache [L, S, Hkv, M, D] float32 or float16, k_cache the same or, keys_blocked, in blocks of
+        16 slots [L, S, Hkv, M / 16, D, 16] (KVCache.block_keys); capture {layer: [T, H] tensor}
+        receives layer outputs."""
         pos, hi, key_off, keys = (None,) * 4 if tree is None else (tree.pos, tree.hi, tree.key_off, tree.keys)
         L = len(layers)
         slots = (ctypes.c_void_p * L)(*[_ptr(capture.get(li)) for li in range(L)]) if capture else None
         args = _DecoderArgs(
             layers, L, shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale,
             shape.activation, _ptr(x), x.shape[0], _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
-            _ptr(keys), _ptr(k_cache), _ptr(v_cache), k_cache.shape[3],
-            k_cache[0].numel(), slots, torch.get_num_threads(), _kv_half(k_cache, v_cache),
+            _ptr(keys), _ptr(k_cache), _ptr(v_cache), v_cache.shape[3],
+            v_cache[0].numel(), slots, torch.get_num_threads(), _kv_half(k_cache, v_cache), int(keys_blocked),
         )
         self._decoder(ctypes.byref(args))
 

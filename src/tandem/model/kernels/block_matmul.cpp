@@ -562,6 +562,9 @@ struct AttendArgs {
   void* const* seq_k;
   void* const* seq_v;
   const int64_t* seq_M;
+  // The shared cache's keys in blocks of kKeyBlock slots, each block [D][kKeyBlock] (a block's
+  // keys side by side, dim by dim; see score_key_block); values stay [M, D]. 0: keys [M, D].
+  int k_blocked;
 };
 
 // Where kv head h of sequence s starts: in the shared cache [S, Hkv, M, D], or in the
@@ -669,8 +672,95 @@ inline __m256 fold8(vf v) {
 #endif
 }
 
+// ---- scores against keys stored in blocks -------------------------------------------------
+
+// With k_blocked, a kv head's keys are stored kKeyBlock slots to a block, each block [D][16]:
+// dim d of its 16 keys side by side. One FMA then adds q[d] * k[d] for 16 keys at once and a
+// score needs no horizontal sum, where keys stored [M, D] cost each score a reduction of a
+// vector of partial sums (a third of attention's time, and most of it for the extra rows of
+// verification). Key slot s of a head lives at block s / 16, lane s % 16.
+constexpr int64_t kKeyBlock = 16;
+
+inline int64_t key_block_offset(int64_t slot, int64_t D) { return (slot / kKeyBlock) * D * kKeyBlock; }
+
+// The k of one token at `slot` into its block: dim d at lane slot % 16 of row d.
+template <typename KvT>
+inline void store_key_blocked(const float* k, int64_t D, KvT* head, int64_t slot) {
+  KvT* block = head + key_block_offset(slot, D) + slot % kKeyBlock;
+  KvT rounded[512];  // D <= 512: the same rounding as store_kv's rows
+  store_kv(k, D, rounded);
+  for (int64_t d = 0; d < D; ++d) block[d * kKeyBlock] = rounded[d];
+}
+
+// 16 floats: one zmm, or two ymm on the 8-lane variants.
+#if TANDEM_LANES == 16
+struct Key16 {
+  __m512 v;
+};
+inline Key16 key16_load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Key16 key16_load(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline Key16 key16_zero() { return {_mm512_setzero_ps()}; }
+inline Key16 key16_fma(Key16 k, float q, Key16 acc) { return {_mm512_fmadd_ps(k.v, _mm512_set1_ps(q), acc.v)}; }
+inline Key16 key16_add(Key16 a, Key16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline void key16_store_scaled(float* p, Key16 a, float scale) { _mm512_storeu_ps(p, _mm512_mul_ps(a.v, _mm512_set1_ps(scale))); }
+constexpr int kScorePartials = 4;  // partial sums per score (dims d mod 4): chains enough to keep the FMA ports busy
+#else
+struct Key16 {
+  __m256 lo, hi;
+};
+inline Key16 key16_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Key16 key16_load(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline Key16 key16_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Key16 key16_fma(Key16 k, float q, Key16 acc) {
+  const __m256 b = _mm256_set1_ps(q);
+  return {_mm256_fmadd_ps(k.lo, b, acc.lo), _mm256_fmadd_ps(k.hi, b, acc.hi)};
+}
+inline Key16 key16_add(Key16 a, Key16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline void key16_store_scaled(float* p, Key16 a, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  _mm256_storeu_ps(p, _mm256_mul_ps(a.lo, s));
+  _mm256_storeu_ps(p + 8, _mm256_mul_ps(a.hi, s));
+}
+constexpr int kScorePartials = 2;  // 16 registers on AVX2: fewer chains
+#endif
+
+// The scores of NQ queries against the 16 keys of one block, 16 at out[j] for query j. Each
+// score is the same arithmetic whatever else shares the call: over the dims d = r mod
+// kScorePartials in order, one sum per r, then the sums added pairwise ((s0 + s1) + (s2 + s3)),
+// then times scale. So a token's scores do not depend on the other queries, blocks or tokens of
+// its call, and a key read alone (a tree node's path, below) scores as in its whole block.
+template <int NQ, typename KvT>
+inline void score_key_block(const float* const* q, const KvT* block, int64_t D, float scale, float* const* out) {
+  constexpr int P = kScorePartials;
+  Key16 acc[NQ][P];
+  for (int j = 0; j < NQ; ++j)
+    for (int r = 0; r < P; ++r) acc[j][r] = key16_zero();
+  int64_t d = 0;
+  for (; d + P <= D; d += P) {
+    for (int r = 0; r < P; ++r) {
+      const Key16 k = key16_load(block + (d + r) * kKeyBlock);
+      for (int j = 0; j < NQ; ++j) acc[j][r] = key16_fma(k, q[j][d + r], acc[j][r]);
+    }
+  }
+  for (int r = 0; d < D; ++d, ++r) {  // head dims that are not a multiple of P
+    const Key16 k = key16_load(block + d * kKeyBlock);
+    for (int j = 0; j < NQ; ++j) acc[j][r] = key16_fma(k, q[j][d], acc[j][r]);
+  }
+  for (int j = 0; j < NQ; ++j) {
+    Key16 total = acc[j][0];
+    if constexpr (P == 4) total = key16_add(key16_add(acc[j][0], acc[j][1]), key16_add(acc[j][2], acc[j][3]));
+    else total = key16_add(acc[j][0], acc[j][1]);
+    key16_store_scaled(out[j], total, scale);
+  }
+}
+
 // One query of one kv head: its rotated q [D], the keys it reads, its score buffer (at least
-// keys.size() rounded up to 8) and its output [D].
+// keys.size() rounded up to 8; with blocked keys see score_blocked) and its output [D].
 struct Query {
   const float* q;
   KeyList keys;
@@ -678,12 +768,55 @@ struct Query {
   float* out;
 };
 
+// Each query's scores against blocked keys: its range (slots lo .. end - 1) at scores[0 ..
+// range), then its extra keys (a tree node's path) after them. Blocks every query reads are
+// scored for all of them at once, the others per query. A block's lanes outside a query's
+// range are written too, as far as 15 floats before scores[0] and past scores[range] (the
+// buffer is padded for it; attend_typed), and then overwritten or never read.
+template <int NQ, typename KvT>
+void score_blocked(const Query* qs, const KvT* K, int64_t D, float scale) {
+  const float* q[NQ];
+  int64_t first[NQ], end[NQ], common_lo = 0, common_hi = INT64_MAX;  // in blocks
+  for (int j = 0; j < NQ; ++j) {
+    const KeyList& kl = qs[j].keys;
+    q[j] = qs[j].q;
+    first[j] = kl.lo / kKeyBlock;
+    end[j] = kl.range > 0 ? (kl.end() + kKeyBlock - 1) / kKeyBlock : first[j];
+    common_lo = std::max(common_lo, first[j]);
+    common_hi = std::min(common_hi, end[j]);
+  }
+  common_hi = std::max(common_hi, common_lo);
+  auto at = [&](int j, int64_t b) { return qs[j].scores + b * kKeyBlock - qs[j].keys.lo; };
+  for (int j = 0; j < NQ; ++j) {
+    for (int64_t b = first[j]; b < end[j]; ++b) {
+      if (b >= common_lo && b < common_hi) continue;
+      float* out = at(j, b);
+      score_key_block<1>(&q[j], K + b * D * kKeyBlock, D, scale, &out);
+    }
+  }
+  for (int64_t b = common_lo; b < common_hi; ++b) {
+    float* out[NQ];
+    for (int j = 0; j < NQ; ++j) out[j] = at(j, b);
+    score_key_block<NQ>(q, K + b * D * kKeyBlock, D, scale, out);
+  }
+  for (int j = 0; j < NQ; ++j) {  // last: block lanes past the range may have landed here
+    const KeyList& kl = qs[j].keys;
+    for (int64_t i = kl.range; i < kl.size(); ++i) {
+      const int64_t slot = kl.extra[i - kl.range];
+      alignas(64) float lanes[kKeyBlock];
+      float* out = lanes;
+      score_key_block<1>(&q[j], K + key_block_offset(slot, D), D, scale, &out);
+      qs[j].scores[i] = lanes[slot % kKeyBlock];
+    }
+  }
+}
+
 // NQ queries of one kv head with head dim DV * LANES. A key that all of them read is loaded once
 // for all (the keys [clo, chi) below); the others are read per query. For each query, every
 // score is the same FMA chain over the dims and the same reduction, and the output accumulates
 // the same keys in the same order, as if the query ran alone: results do not depend on which
 // queries share a call.
-template <int DV, int NQ, typename KvT>
+template <int DV, int NQ, typename KvT, bool kBlocked>
 void attend_heads(const Query* qs, const KvT* K, const KvT* V, float scale) {
   constexpr int64_t D = DV * kLanes;
   vf q[NQ][DV];
@@ -700,6 +833,8 @@ void attend_heads(const Query* qs, const KvT* K, const KvT* V, float scale) {
     return fold8(s);
   };
   auto score_one = [&](int j, int64_t slot) { return hsum8_pairwise(dot(j, K + slot * D)) * scale; };
+  if constexpr (kBlocked) score_blocked<NQ>(qs, K, D, scale);
+  else {
   for (int j = 0; j < NQ; ++j) {
     const KeyList& kl = qs[j].keys;
     for (int64_t s = kl.lo; s < clo; ++s) qs[j].scores[s - kl.lo] = score_one(j, s);
@@ -731,13 +866,14 @@ void attend_heads(const Query* qs, const KvT* K, const KvT* V, float scale) {
     _mm_store_ps(four, _mm_mul_ps(hsum8x4(r[0], r[1], r[2], r[3]), _mm_set1_ps(scale)));
     for (int j = 0; j < NQ; ++j) qs[j].scores[s - qs[j].keys.lo] = four[j];
   }
-  float total[NQ];
   for (int j = 0; j < NQ; ++j) {
     const KeyList& kl = qs[j].keys;
     for (int64_t s = std::max(chi, kl.lo); s < kl.end(); ++s) qs[j].scores[s - kl.lo] = score_one(j, s);
     for (int64_t i = kl.range; i < kl.size(); ++i) qs[j].scores[i] = score_one(j, kl.extra[i - kl.range]);
-    total[j] = softmax_in_place(qs[j].scores, kl.size());
   }
+  }
+  float total[NQ];
+  for (int j = 0; j < NQ; ++j) total[j] = softmax_in_place(qs[j].scores, qs[j].keys.size());
   vf acc[NQ][DV];
   auto accumulate = [&](int j, int64_t i, const KvT* v) {
     const vf e = vsplatf(qs[j].scores[i]);
@@ -767,12 +903,14 @@ void attend_heads(const Query* qs, const KvT* K, const KvT* V, float scale) {
 
 // Any head dim, one query: the same steps with the output accumulated in memory.
 template <typename KvT>
-void attend_head_any(const Query& query, const KvT* K, const KvT* V, int64_t D, float scale) {
+void attend_head_any(const Query& query, const KvT* K, const KvT* V, int64_t D, float scale, bool blocked) {
   const KeyList& keys = query.keys;
   float* scores = query.scores;
   float* o = query.out;
   const int64_t n = keys.size();
-  for (int64_t i = 0; i < n; ++i) scores[i] = dot_d(query.q, K + keys.slot(i) * D, D) * scale;
+  if (blocked) score_blocked<1>(&query, K, D, scale);
+  else
+    for (int64_t i = 0; i < n; ++i) scores[i] = dot_d(query.q, K + keys.slot(i) * D, D) * scale;
   const float total = softmax_in_place(scores, n);
   std::fill(o, o + D, 0.f);
   for (int64_t i = 0; i < n; ++i) {
@@ -790,14 +928,20 @@ constexpr int max_shared_queries(int64_t D) {
   return D / kLanes <= 4 ? 4 : D / kLanes <= 8 && kLanes == 16 ? 2 : 1;
 }
 
-template <int DV, typename KvT>
+template <int DV, typename KvT, bool kBlocked>
 void attend_block(const Query* qs, int n, const KvT* K, const KvT* V, float scale) {
   switch (n) {
-    case 1: attend_heads<DV, 1>(qs, K, V, scale); break;
-    case 2: if constexpr (max_shared_queries(DV * kLanes) >= 2) attend_heads<DV, 2>(qs, K, V, scale); break;
-    case 3: if constexpr (max_shared_queries(DV * kLanes) >= 3) attend_heads<DV, 3>(qs, K, V, scale); break;
-    default: if constexpr (max_shared_queries(DV * kLanes) >= 4) attend_heads<DV, 4>(qs, K, V, scale); break;
+    case 1: attend_heads<DV, 1, KvT, kBlocked>(qs, K, V, scale); break;
+    case 2: if constexpr (max_shared_queries(DV * kLanes) >= 2) attend_heads<DV, 2, KvT, kBlocked>(qs, K, V, scale); break;
+    case 3: if constexpr (max_shared_queries(DV * kLanes) >= 3) attend_heads<DV, 3, KvT, kBlocked>(qs, K, V, scale); break;
+    default: if constexpr (max_shared_queries(DV * kLanes) >= 4) attend_heads<DV, 4, KvT, kBlocked>(qs, K, V, scale); break;
   }
+}
+
+template <int DV, typename KvT>
+void attend_block(const Query* qs, int n, const KvT* K, const KvT* V, float scale, bool blocked) {
+  if (blocked) attend_block<DV, KvT, true>(qs, n, K, V, scale);
+  else attend_block<DV, KvT, false>(qs, n, K, V, scale);
 }
 
 // Called by every thread of the team.
@@ -821,7 +965,8 @@ void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
           k = normed.data();
         }
         rope_into(k, a.cos + p * D, a.sin + p * D, D, rotated.data());
-        store_kv(rotated.data(), D, kv_head(a, kcache, a.seq_k, a.seq[t], h) + at);
+        if (a.k_blocked) store_key_blocked(rotated.data(), D, kv_head(a, kcache, a.seq_k, a.seq[t], h), a.slot[t]);
+        else store_kv(rotated.data(), D, kv_head(a, kcache, a.seq_k, a.seq[t], h) + at);
         store_kv(row + (Hq + Hkv + h) * D, D, kv_head(a, vcache, a.seq_v, a.seq[t], h) + at);
       }
     }
@@ -874,15 +1019,18 @@ void attend_typed(const AttendArgs& a, KvT* kcache, KvT* vcache) {
           qh = normed.data();
         }
         rope_into(qh, a.cos + p * D, a.sin + p * D, D, rotated.data() + j * D);
-        scores[j].resize((keys.size() + 7) / 8 * 8);
-        qs[j] = {rotated.data() + j * D, keys, scores[j].data(), a.out + t * Hq * D + h * D};
+        // Blocked keys write whole blocks of scores: room for a block's lanes on either side.
+        const int64_t pad = a.k_blocked ? kKeyBlock : 0;
+        scores[j].resize(pad + (keys.size() + pad + 7) / 8 * 8);
+        qs[j] = {rotated.data() + j * D, keys, scores[j].data() + pad, a.out + t * Hq * D + h * D};
       }
       const KvT* K = kv_head(a, kcache, a.seq_k, a.seq[t_first], kvh);
       const KvT* V = kv_head(a, vcache, a.seq_v, a.seq[t_first], kvh);
-      if (D == 64) attend_block<64 / kLanes>(qs, n, K, V, a.scale);
-      else if (D == 128) attend_block<128 / kLanes>(qs, n, K, V, a.scale);
-      else if (D == 256) attend_block<256 / kLanes>(qs, n, K, V, a.scale);
-      else attend_head_any(qs[0], K, V, D, a.scale);
+      const bool blocked = a.k_blocked;
+      if (D == 64) attend_block<64 / kLanes>(qs, n, K, V, a.scale, blocked);
+      else if (D == 128) attend_block<128 / kLanes>(qs, n, K, V, a.scale, blocked);
+      else if (D == 256) attend_block<256 / kLanes>(qs, n, K, V, a.scale, blocked);
+      else attend_head_any(qs[0], K, V, D, a.scale, blocked);
     }
   }
 }
@@ -932,6 +1080,7 @@ struct DecoderArgs {
   float* const* capture;   // [num_layers]: where to copy layer l's output [T, H], or null
   int threads;
   int kv_half;
+  int k_blocked;           // keys stored in blocks (AttendArgs.k_blocked)
 };
 
 // x[i] += rms_norm(y[i]) * w for each of n rows of width H (a sandwich norm before the residual).
@@ -988,7 +1137,8 @@ void decoder_forward(const DecoderArgs& a) {
     linear({layer.qkv, a.x, T, H, kRmsNorm, layer.attn_norm, a.eps, nullptr, s.qkv.data(), 0}, s.linear);
     attend({s.qkv.data(), T, a.Hq, a.Hkv, a.D, a.seq, a.slot, a.pos, a.hi, a.key_off, a.keys, layer.cos, layer.sin,
             static_cast<char*>(a.kcache) + l * layer_bytes, static_cast<char*>(a.vcache) + l * layer_bytes, a.M,
-            layer.window, a.scale, s.attn.data(), a.threads, layer.q_norm, layer.k_norm, a.eps, a.kv_half});
+            layer.window, a.scale, s.attn.data(), a.threads, layer.q_norm, layer.k_norm, a.eps, a.kv_half, nullptr,
+            nullptr, nullptr, a.k_blocked});
     add_projection(layer.o, s.attn.data(), T, a.Hq * a.D, kIdentity, layer.post_attn_norm, a.eps, a.x, H, s);
     linear({layer.gate_up, a.x, T, H, kRmsNorm, layer.mlp_norm, a.eps, nullptr, s.gate_up.data(), 0}, s.linear);
     add_projection(layer.down, s.gate_up.data(), T, layer.gate_up->N, a.activation, layer.post_mlp_norm, a.eps, a.x,
