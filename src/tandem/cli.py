@@ -11,7 +11,14 @@ import time
 from tandem.advise import add_advise_parser
 from tandem.audit import run_audit
 from tandem.bench.cli import add_bench_parser
-from tandem.flags import add_model_args, add_sampling_args, add_spec_args, sampling_from_args, spec_from_args
+from tandem.flags import (
+    add_model_args,
+    add_sampling_args,
+    add_spec_args,
+    add_structured_output_args,
+    sampling_from_args,
+    spec_from_args,
+)
 from tandem.launch_server import add_serve_args, run_serve
 from tandem.llm import LLM
 from tandem.train.cli import add_train_parser
@@ -93,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_spec_args(gen)
     add_sampling_args(gen)
+    add_structured_output_args(gen)
     gen.add_argument("--prompt", default=None, help="prompt text (default: read stdin / interactive)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true")

@@ -6,6 +6,7 @@ code that finds them, never written back into these records.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -29,6 +30,43 @@ def kv_cache_dtype_name(requested: str) -> str:
 
 
 MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match (vLLM's structured outputs, OpenAI's response_format):
+    exactly one of `json` (a JSON schema, as JSON text), `json_object` (any JSON object),
+    `regex`, `choice` (exactly one of these strings) or `grammar` (a Lark grammar). The target's
+    distribution at each position is then its distribution over the tokens that keep the output
+    matching (tandem.grammar), for plain decoding and verification alike."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError("a structured output names exactly one of json, json_object, regex, choice or grammar"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        if self.json is not None:
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as err:
+                raise ValueError(f"the JSON schema is not valid JSON: {err}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema is a JSON object")
+        if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
+            raise ValueError("choice must be non-empty strings")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> "StructuredOutput":
+        """From a schema given as a dict or as JSON text."""
+        return cls(json=schema if isinstance(schema, str) else _json.dumps(schema, sort_keys=True))
 
 
 @dataclass(frozen=True)
@@ -65,6 +103,8 @@ class SamplingParams:
     # Record which tokens the drafter wrote and the target kept (Request.origin_pieces): costs a
     # detokenisation per token, so only requests that ask for it (the playground) pay.
     token_origins: bool = False
+    # What the output must match (None: anything): see StructuredOutput.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +134,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
         if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0 (0: plain decoding), got {self.max_draft_tokens}")
+        if self.structured_output is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a structured output, which ends at EOS once matched")
 
     @property
     def greedy(self) -> bool:

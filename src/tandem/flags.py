@@ -4,6 +4,7 @@ one place so their defaults and help live once."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tandem.config import (
     KV_CACHE_ALIASES,
@@ -12,6 +13,7 @@ from tandem.config import (
     SPEC_POLICIES,
     SamplingParams,
     SpecConfig,
+    StructuredOutput,
 )
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -76,13 +78,43 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def add_structured_output_args(p: argparse.ArgumentParser) -> None:
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                       help="the output must be JSON matching this schema (a file, or the schema's JSON text)")
+    shape.add_argument("--json-object", action="store_true", help="the output must be a JSON object")
+    shape.add_argument("--regex", default=None, help="the output must match this regular expression")
+    shape.add_argument("--choice", action="append", default=None, help="the output must be one of these strings "
+                                                                       "(repeatable)")
+    shape.add_argument("--grammar", default=None, metavar="FILE", help="the output must match this Lark grammar")
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_tokens=args.max_new_tokens,
-        seed=args.seed, stop=tuple(args.stop),
+        seed=args.seed, stop=tuple(args.stop), structured_output=structured_output_from_args(args),
     )
+
+
+def structured_output_from_args(args: argparse.Namespace) -> StructuredOutput | None:
+    """--json-schema / --json-object / --regex / --choice / --grammar, or None (also for a
+    command without them)."""
+    if not hasattr(args, "json_object"):
+        return None
+    if args.json_schema is not None:
+        path = Path(args.json_schema)
+        return StructuredOutput(json=path.read_text() if path.is_file() else args.json_schema)
+    if args.json_object:
+        return StructuredOutput(json_object=True)
+    if args.regex is not None:
+        return StructuredOutput(regex=args.regex)
+    if args.choice:
+        return StructuredOutput(choice=tuple(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput(grammar=Path(args.grammar).read_text())
+    return None
 
 
 def drafter_policy(algorithm: str | None) -> str | None:

@@ -61,16 +61,20 @@ def processed_probs(
     params: SamplingParams,
     seen_ids: torch.Tensor | None = None,
     output_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[N, V] logits -> [N, V] fp32 probabilities that plain sampling draws from.
 
     seen_ids: the distinct ids of prompt and output (the repetition penalty's); output_counts:
-    (ids, counts) of the generated tokens (the presence and frequency penalties'). Greedy
-    (temperature 0) gives the one-hot vector of the argmax of the penalised logits.
+    (ids, counts) of the generated tokens (the presence and frequency penalties'); allowed:
+    [N, V] bool, the tokens a structured output lets come next (tandem.grammar): every other
+    token's logit is -inf before anything else. Greedy (temperature 0) gives the one-hot vector
+    of the argmax of the penalised logits.
     """
     logits = logits.float()
     if not all_finite(logits):
         raise NonFiniteLogitsError("the model produced NaN or inf logits")
+    logits = constrained(logits, allowed)
     if seen_ids is not None:
         logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     if output_counts is not None:
@@ -99,6 +103,12 @@ def processed_probs(
         floor = params.min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def constrained(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """logits with every token outside `allowed` (bool, the logits' shape) at -inf; unchanged
+    without a mask."""
+    return logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -25,6 +25,7 @@ from tandem.drafters import (
 from tandem.engine.admission import Admission
 from tandem.engine.request import Request
 from tandem.engine.rounds import RoundCounts, StepUpdate, chunk_inputs, round_origins
+from tandem.grammar import GrammarCompiler
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
 from tandem.model.runner import ForwardOutput, ModelRunner, SeqInput
@@ -34,7 +35,7 @@ from tandem.scheduler.factory import create_policy
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy
 from tandem.types import Draft, SpecStats
 from tandem.verify import grading
-from tandem.verify.paths import rooted_parents
+from tandem.verify.paths import rooted_parents, tree_paths
 
 log = logging.getLogger("tandem.engine")
 
@@ -69,6 +70,7 @@ class Engine:
                     "--speculative-policy adaptive or fixed")
             self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round, self.runner.verify_rows,
                                         self.drafter.source_names)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted (a cache row each), prompt not yet all in the cache
         self.running: list[Request] = []
@@ -94,12 +96,14 @@ class Engine:
                 f"the request may hold {need} KV tokens (prompt + max_tokens + a draft); the engine holds at most "
                 f"{self.admission.max_total_tokens} for all requests (max_total_tokens): ask for fewer max_tokens"
             )
+        grammar = self.grammars.state(params.structured_output) if params.structured_output is not None else None
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
             params=params,
             generator=make_generator(params.seed, self.config.device),
             eos_ids=self.eos_ids,
+            grammar=grammar,
         )
         self.waiting.append(req)
         return req
@@ -179,7 +183,7 @@ class Engine:
                 continue
             self.prefilling.remove(req)
             try:
-                token = self._sample_one(out.rows(b), req)
+                token = self._sample_one(out.rows(b), req, None if req.grammar is None else req.grammar.allowed()[None])
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
@@ -195,13 +199,14 @@ class Engine:
             return self._prefill(chunks) if chunks else []
         contexts = [len(r.context) for r in batch]  # before this round: the keys its rows read
         drafts = self._propose(batch, contexts)
+        drafts, allowed = self._constrain(batch, drafts)
         verify_start = time.perf_counter()
         out, tokens = self._verify_forward(batch, drafts, chunks)
         updates, outcomes = [], []
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             logits = out.rows(b)
             try:
-                committed, path = self._grade(logits, req, draft)
+                committed, path = self._grade(logits, req, draft, allowed[b])
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
@@ -213,6 +218,26 @@ class Engine:
         seconds = time.perf_counter() - verify_start
         self._learn(outcomes, None if chunks else (tokens, seconds, [1 + len(d.token_ids) for d in drafts], contexts))
         return updates + self._prefilled(out, chunks, first=len(batch))
+
+    def _constrain(self, batch: list[Request], drafts: list[Draft]) -> tuple[list[Draft], list[torch.Tensor | None]]:
+        """For requests with a structured output: the tokens each verified row may take ([n + 1,
+        V] bool, row i after the committed tokens and the draft's path to node i; tandem.grammar),
+        and a deterministic chain cut before the first token its grammar refuses. The one-hot rule
+        would reject that token with certainty and draw from p with it removed, which is p itself
+        (its probability is 0), so the cut changes nothing but the rows computed. A sampled
+        draft is kept whole: the q-ratio rule's residual at a refused token is not p."""
+        allowed: list[torch.Tensor | None] = [None] * len(batch)
+        for b, (req, draft) in enumerate(zip(batch, drafts)):
+            if req.grammar is None:
+                continue
+            if draft.is_tree:
+                nodes = draft.token_ids
+                allowed[b] = req.grammar.allowed_paths([[nodes[i] for i in path] for path in tree_paths(draft.parents)])
+                continue
+            if draft.probs is None:
+                draft = drafts[b] = draft.truncated(req.grammar.valid_prefix(draft.token_ids))
+            allowed[b] = req.grammar.allowed_along(draft.token_ids)[0]
+        return drafts, allowed
 
     def _verify_forward(self, batch: list[Request], drafts: list[Draft], chunks: list[tuple[Request, int, int]]):
         """One target forward over every request's next token and draft, token by token: each
@@ -347,15 +372,16 @@ class Engine:
         """How many draft tokens (tree nodes) fit in the cache after next_token."""
         return self.config.max_model_len - self.cache.lengths[req.seq] - 1
 
-    def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
+    def _sample_one(self, logits: torch.Tensor, req: Request, allowed: torch.Tensor | None) -> int:
         """Plain decoding's token from the last row (the shared grading's empty-draft case)."""
-        return grading.sample_plain(logits, req.params, req.context, req.generator, len(req.prompt_ids))
+        return grading.sample_plain(logits, req.params, req.context, req.generator, len(req.prompt_ids), allowed)
 
-    def _grade(self, logits: torch.Tensor, req: Request, draft: Draft) -> tuple[list[int], list[int]]:
+    def _grade(self, logits: torch.Tensor, req: Request, draft: Draft,
+               allowed: torch.Tensor | None) -> tuple[list[int], list[int]]:
         """Target logits [n+1, V] for [next_token, d_1..d_n] -> committed tokens and the accepted
         draft nodes (a chain's are 0..accepted-1). Through `grading.grade_round`, the function
         `tandem audit` grades with: the audit checks exactly this."""
-        return grading.grade_round(logits, draft, req.params, req.context, req.generator, len(req.prompt_ids))
+        return grading.grade_round(logits, draft, req.params, req.context, req.generator, len(req.prompt_ids), allowed)
 
     def _commit(self, req: Request, tokens: list[int], counts: "RoundCounts",
                 origins: list[str] | None = None, rows: torch.Tensor | None = None) -> tuple[StepUpdate, "RoundCounts"]:
@@ -364,6 +390,8 @@ class Engine:
         origins: each token's types.TOKEN_ORIGINS entry (default: all the target's); rows: the
         target's logits each token was drawn from [len(tokens), V], for params.logprobs."""
         kept = req.append(tokens, self.tokenizer, origins)
+        if req.grammar is not None:
+            req.grammar.consume(tokens[:kept])
         logprobs = None
         if req.params.logprobs is not None and kept:
             logprobs = token_logprobs(rows[:kept], tokens[:kept], req.params.logprobs)

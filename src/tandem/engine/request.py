@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import SamplingParams
+from tandem.grammar import GrammarState
 from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator
 from tandem.types import RequestOutput, SpecStats, TokenLogprob
 
@@ -150,6 +151,8 @@ class Request:
     _text_ends: list[int] = field(default_factory=list, repr=False)
     # With params.logprobs: each output token's log-probability under the target.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params.structured_output: its matcher, advanced by every committed token.
+    grammar: GrammarState | None = None
 
     def generator_on(self, device: str | torch.device) -> torch.Generator:
         """The generator for draws on `device`: the request's own where it lives, else one made

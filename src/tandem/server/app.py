@@ -23,7 +23,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.config import SamplingParams, ServerConfig
+from tandem.config import SamplingParams, ServerConfig, StructuredOutput
+from tandem.grammar import GrammarCompiler
 from tandem.llm import chat_token_ids
 from tandem.server.async_engine import AsyncEngine, Delta, EngineStoppedError, Generation, QueueFullError
 from tandem.server.guard import RequestGuard
@@ -94,6 +95,8 @@ class ServingContext:
         self.vocab_size = engine.engine.loaded.config.vocab_size
         self.max_token_chars = longest_token_chars(self.tokenizer)
         self.token_strings = TokenStrings(self.tokenizer)  # logprobs' token texts, on the same thread
+        # Structured outputs are compiled here first (on the same thread), so a bad one is a 400.
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(engine.engine.eos_ids))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
 
     async def tokenize(self, fn: Callable[[], T]) -> T:
@@ -252,7 +255,21 @@ async def _encode_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list
         raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from err
 
 
-def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]]) -> list[list[SamplingParams]]:
+async def _structured_output(ctx: ServingContext, body: SamplingFields) -> StructuredOutput | None:
+    """The request's structured output, compiled once on the tokenizer thread: an invalid one is
+    a 400 naming the field it came from."""
+    param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+    try:
+        spec = body.structured_output()
+        if spec is not None:
+            await ctx.tokenize(lambda: ctx.grammars.check(spec))
+    except ValueError as err:  # GrammarError is one
+        raise APIError(400, str(err), param=param) from err
+    return spec
+
+
+def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]],
+                     structure: StructuredOutput | None) -> list[list[SamplingParams]]:
     """One SamplingParams per choice of each prompt; checks each prompt fits the context."""
     out = []
     engine = ctx.engine.engine
@@ -284,7 +301,7 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                     frequency_penalty=body.frequency_penalty, max_tokens=body.max_tokens or room,
                     seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
                     max_draft_tokens=body.speculative_num_draft_tokens, token_origins=body.return_provenance,
-                    logprobs=body.logprobs_count,
+                    logprobs=body.logprobs_count, structured_output=structure,
                 ))
             except ValueError as err:
                 raise APIError(400, str(err)) from err
@@ -296,7 +313,7 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     if body.model is not None and body.model != ctx.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
                        param="model", code="model_not_found")
-    params = _sampling_params(ctx, body, prompts)
+    params = _sampling_params(ctx, body, prompts, await _structured_output(ctx, body))
     flat_prompts = [p for p, ps in zip(prompts, params) for _ in ps]
     flat_params = [sp for ps in params for sp in ps]
     if len(flat_params) > ctx.engine.capacity:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS
+from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS, StructuredOutput
 from tandem.types import TokenOrigin
 
 MAX_N = 16
@@ -29,12 +29,60 @@ UNSUPPORTED = {
     "tools": "tool calling",
     "tool_choice": "tool calling",
     "functions": "function calling",
-    "response_format": "structured output",
 }
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(..., max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field({}, alias="schema", description="the JSON schema the output must match "
+                                                                     "(empty: any JSON object)")
+    strict: bool | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "json_object" or (self.type == "json_schema" and not self.json_schema.schema_):
+            return StructuredOutput(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutput.json_schema(self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extension: exactly one of json (a schema), json_object, regex,
+    choice or grammar (Lark)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput:
+        if self.json_ is not None:
+            return StructuredOutput.json_schema(self.json_)
+        return StructuredOutput(json_object=bool(self.json_object), regex=self.regex,
+                                choice=tuple(self.choice) if self.choice is not None else None, grammar=self.grammar)
 
 
 class SamplingFields(BaseModel):
@@ -67,6 +115,11 @@ class SamplingFields(BaseModel):
     return_provenance: bool = Field(
         False, description="extension: each choice carries `provenance`, its text cut by who wrote it and the "
                            "acceptance of each speculative round")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: what the "
+                                                                     "output must match")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension (vLLM's): the output must match a JSON schema, any JSON object, a regex, one "
+                          "of a list of strings or a Lark grammar")
 
     @field_validator("stop")
     @classmethod
@@ -99,6 +152,15 @@ class SamplingFields(BaseModel):
     def logprobs_count(self) -> int | None:
         """How many alternatives per output token the request asked for (None: no logprobs)."""
         return None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match (response_format or structured_outputs), or None; raises
+        ValueError when both are given or the spec is invalid."""
+        specs = [f.structured_output() for f in (self.response_format, self.structured_outputs) if f is not None]
+        specs = [spec for spec in specs if spec is not None]
+        if len(specs) > 1:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return specs[0] if specs else None
 
 
 class CompletionRequest(SamplingFields):
