@@ -11,6 +11,8 @@ import torch
 from conftest import quantized_tiny, tiny_loaded
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.llm import LLM
+from tandem.model.kv_cache import KVCache
+from tandem.model.runner import ModelRunner, SeqInput
 from tandem.sampling import token_logprobs
 from tandem.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from test_engine import PROMPTS, _install_script
@@ -147,3 +149,35 @@ def test_response_shapes():
     chat = chat_logprobs(entries, strings)
     assert [c.token for c in chat.content] == [" hi", "bytes:\\xc3"] and chat.content[1].bytes == [0xC3]
     assert [t.token for t in chat.content[0].top_logprobs] == [" hi", "<|end|>"]
+
+
+def test_prompt_logprobs_are_the_targets_log_softmax_over_the_prompt():
+    """Every prompt token but the first gets the reference model's teacher-forced log_softmax,
+    with its alternatives; the first gets None."""
+    hf, loaded = tiny_loaded("llama")
+    llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=128))
+    for prompt in PROMPTS:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        assert [e.token_id for e in out.prompt_logprobs[1:]] == prompt[1:]
+        want = reference_logprobs(hf, prompt[:1], prompt[1:])
+        assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(want, abs=1e-4)
+        assert all(len(e.top) == 2 for e in out.prompt_logprobs[1:])
+        assert out.logprobs is None
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_come_in_pieces_bit_for_bit(block_variant):
+    """On the fused path a long prompt's logprobs come 128 rows per forward, the same floats as
+    one forward over the whole prompt; a prompt the prefix cache holds is still computed."""
+    loaded = quantized_tiny("llama")
+    prompt = [(7 * i + 3) % 97 for i in range(300)]
+    cfg = EngineConfig(max_model_len=512, enable_prefix_caching=True)
+    llm = LLM.from_loaded(loaded, cfg)
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]  # cached now
+    assert len(first.prompt_logprobs) == 300 and first.prompt_logprobs == again.prompt_logprobs
+    cache = KVCache(loaded.config, 1, 512, loaded.dtype, storage=loaded.kv_dtype())  # the engine's KV dtype
+    runner = ModelRunner(loaded.model, cache)
+    whole = runner.forward([SeqInput(cache.allocate(), prompt, logits="all")]).logits
+    want = token_logprobs(whole[:-1], prompt[1:], 1)
+    assert first.prompt_logprobs[1:] == want

@@ -191,6 +191,44 @@ def test_logprobs_equal_plain_decodings(spec_server, chat, stream):
     assert tops == [[f"<{t}>" for t, _ in e.top] for e in want.logprobs]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("max_tokens", [0, 6])
+def test_echo_scores_the_prompt(spec_server, stream, max_tokens):
+    """Completions' echo: the prompt's text first, then what was generated (nothing with
+    max_tokens 0, as evaluation harnesses score a text), and with logprobs the prompt tokens'
+    first (the first one's null), each the target's teacher-forced log-probability."""
+    server, _ = spec_server
+    prompt = PROMPTS[0]
+    llm = LLM.from_loaded(chat_loaded(), EngineConfig(max_model_len=MAX_LEN, max_num_seqs=1))
+    want = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max(max_tokens, 1), logprobs=2,
+                                               prompt_logprobs=2))[0]
+    prompt_text = "".join(f"<{t}>" for t in prompt)
+    kw = dict(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True, logprobs=2)
+    c = client(server)
+    if stream:
+        chunks = [ch for ch in c.completions.create(**kw, stream=True, stream_options={"include_usage": True})]
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        parts = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+        merged = {f: [x for p in parts for x in getattr(p, f)] for f in ("tokens", "token_logprobs", "text_offset")}
+        reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason][0]
+        usage = chunks[-1].usage
+    else:
+        r = c.completions.create(**kw)
+        text, reason, usage = r.choices[0].text, r.choices[0].finish_reason, r.usage
+        merged = {f: getattr(r.choices[0].logprobs, f) for f in ("tokens", "token_logprobs", "text_offset")}
+    generated = [] if max_tokens == 0 else want.token_ids
+    assert text == prompt_text + ("" if max_tokens == 0 else want.text)
+    assert merged["tokens"] == [f"<{t}>" for t in prompt + generated]
+    assert merged["token_logprobs"][0] is None
+    scored = [e.logprob for e in want.prompt_logprobs[1:]] + ([] if max_tokens == 0 else [e.logprob for e in want.logprobs])
+    assert merged["token_logprobs"][1:] == pytest.approx(scored, abs=1e-4)
+    assert merged["text_offset"][: len(prompt)] == [len("".join(f"<{t}>" for t in prompt[:i])) for i in range(len(prompt))]
+    if generated:
+        assert merged["text_offset"][len(prompt)] == len(prompt_text)
+    assert (reason == "length") if max_tokens == 0 else reason == want.finish_reason
+    assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(generated)
+
+
 def test_no_logprobs_field_unless_asked(spec_server):
     server, _ = spec_server
     r = client(server).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "1 2"}], max_tokens=4)
@@ -376,7 +414,7 @@ ERRORS = [
     ("/completions", {"prompt": [1, 2], "n": 1000}, 400, "n"),
     ("/completions", {"prompt": [1, 2], "stop": [""]}, 400, "stop"),
     ("/completions", {"prompt": [1, 2], "logprobs": 21}, 400, "logprobs"),
-    ("/completions", {"prompt": [1, 2], "echo": True}, 400, None),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "echo": True}, 400, None),
     ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}, 400, None),
     ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "logprobs": True, "top_logprobs": 30}, 400,
      "top_logprobs"),

@@ -100,6 +100,9 @@ class SamplingParams:
     # Each output token's log-probability under the target and its row's `logprobs` most likely
     # tokens (types.TokenLogprob); None: none are computed.
     logprobs: int | None = None
+    # The same for every prompt token but the first (RequestOutput.prompt_logprobs). The prompt
+    # is then computed whole, never taken from the prefix cache, whose rows hold no logits.
+    prompt_logprobs: int | None = None
     # Record which tokens the drafter wrote and the target kept (Request.origin_pieces): costs a
     # detokenisation per token, so only requests that ask for it (the playground) pay.
     token_origins: bool = False
@@ -130,8 +133,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (or None), got {value}")
         if self.max_draft_tokens is not None and self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be >= 0 (0: plain decoding), got {self.max_draft_tokens}")
         if self.structured_output is not None and self.ignore_eos:

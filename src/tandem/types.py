@@ -257,6 +257,9 @@ class RequestOutput:
     token_origins: list[str] | None = None
     # One per token of token_ids, when SamplingParams.logprobs asked for them.
     logprobs: list[TokenLogprob] | None = None
+    # One per prompt token, None for the first (nothing predicts it), when
+    # SamplingParams.prompt_logprobs asked for them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

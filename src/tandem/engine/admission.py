@@ -70,6 +70,8 @@ class Admission:
         live = [(r, r.context[: min(self.cache.lengths[r.seq], len(r.context) - 1)]) for r in running]
         live += [(r, r.prompt_ids[: r.prefilled]) for r in prefilling]
         for req in starting:
+            if req.params.prompt_logprobs is not None:  # every prompt row's logits are wanted
+                continue
             best, best_len = longest_shared_prefix(req.prompt_ids, ((r, t) for r, t in live if r is not req),
                                                    at_least=req.prefilled)
             if best is None:
@@ -97,7 +99,8 @@ class Admission:
     def _place(self, req: Request, need: int) -> bool:
         """Give `req` a cache row, starting with the longest kept prefix of its prompt; False
         when it must wait."""
-        row, hit = self.prefix_cache.longest_prefix(req.prompt_ids) if self.prefix_cache else (None, 0)
+        reuse = self.prefix_cache is not None and req.params.prompt_logprobs is None  # reused rows hold no logits
+        row, hit = self.prefix_cache.longest_prefix(req.prompt_ids) if reuse else (None, 0)
         if row is None:
             if not self._make_room(need, keep=None):
                 return False

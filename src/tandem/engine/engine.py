@@ -41,6 +41,7 @@ log = logging.getLogger("tandem.engine")
 
 POOR_DRAFTER_TAU = 2.0
 LOG_EVERY_S = 10.0
+PROMPT_LOGPROBS_ROWS = 128  # prompt rows per forward for prompt logprobs ([rows, V] fp32 logits)
 
 
 class Engine:
@@ -154,15 +155,24 @@ class Engine:
                                            self.running, self.prefilling)
         budget = self.config.chunked_prefill_size
         if not (budget and self.running and self.runner.batch_invariant):
-            return [(r, r.prefilled, len(r.prompt_ids)) for r in self.prefilling]
+            return [(r, r.prefilled, self._prompt_piece_end(r)) for r in self.prefilling]
         chunks = []
         for req in self.prefilling:
-            take = min(budget, len(req.prompt_ids) - req.prefilled)
+            take = min(budget, self._prompt_piece_end(req) - req.prefilled)
             chunks.append((req, req.prefilled, req.prefilled + take))
             budget -= take
             if budget == 0:
                 break
         return chunks
+
+    def _prompt_piece_end(self, req: Request) -> int:
+        """Where this step's piece of a prompt may end: the prompt's end, or for a request that
+        wants every prompt row's logprobs PROMPT_LOGPROBS_ROWS rows on (where pieces are exact),
+        so its logits never take more than that many rows of memory at once."""
+        end = len(req.prompt_ids)
+        if req.params.prompt_logprobs is not None and self.runner.batch_invariant:
+            end = min(end, req.prefilled + PROMPT_LOGPROBS_ROWS)
+        return end
 
     def _prefill(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
         """A forward of the chunks' prompt tokens alone (see _prefilled)."""
@@ -174,8 +184,13 @@ class Engine:
         first + 1, ...): a request whose prompt is then complete samples its first token from the
         last prompt row and starts decoding."""
         updates = []
-        for i, (req, _, end) in enumerate(chunks):
+        for i, (req, start, end) in enumerate(chunks):
             b = first + i
+            if req.params.prompt_logprobs is not None:  # row j predicts prompt token start + j + 1
+                scored = min(end, len(req.prompt_ids) - 1) - start
+                if scored > 0:
+                    req.prompt_logprobs += token_logprobs(out.rows(b)[:scored], req.prompt_ids[start + 1 : start + 1 + scored],
+                                                          req.params.prompt_logprobs)
             req.prefilled = end
             req.prefill_started = True
             req.hidden.add_stacked(out.hidden_layers, out.stacked_hidden, slice(out.bounds[b], out.bounds[b + 1]))

@@ -149,8 +149,10 @@ class Request:
     # appended (never less than for the token before), for `origin_pieces`.
     token_origins: list[str] = field(default_factory=list)
     _text_ends: list[int] = field(default_factory=list, repr=False)
-    # With params.logprobs: each output token's log-probability under the target.
+    # With params.logprobs: each output token's log-probability under the target; with
+    # params.prompt_logprobs each prompt token's but the first, as its prompt is prefilled.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # With params.structured_output: its matcher, advanced by every committed token.
     grammar: GrammarState | None = None
 
@@ -288,6 +290,7 @@ class Request:
             seconds=time.perf_counter() - self.arrival,
             token_origins=list(self.token_origins) if self.params.token_origins else None,
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            prompt_logprobs=[None, *self.prompt_logprobs] if self.params.prompt_logprobs is not None else None,
         )
 
 

@@ -30,8 +30,14 @@ class StepUpdate:
 
 def chunk_inputs(chunks: list[tuple[Request, int, int]]) -> list[SeqInput]:
     """The forward inputs of prompt chunks (request, start, end): logits only for a prompt's last
-    token, which gives its first output token."""
-    return [SeqInput(r.seq, r.prompt_ids[a:e], logits="last" if e == len(r.prompt_ids) else []) for r, a, e in chunks]
+    token, which gives its first output token; for every token where the request asked for the
+    prompt's logprobs."""
+    def logits(r: Request, e: int):
+        if r.params.prompt_logprobs is not None:
+            return "all"
+        return "last" if e == len(r.prompt_ids) else []
+
+    return [SeqInput(r.seq, r.prompt_ids[a:e], logits=logits(r, e)) for r, a, e in chunks]
 
 
 def round_origins(draft: Draft, path: list[int]) -> list[str]:

@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -103,8 +104,9 @@ class ServingContext:
         """fn, which uses self.tokenizer, on the tokenizer's own thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    async def completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-        return await self.tokenize(lambda: completion_logprobs(entries, self.token_strings, offset))
+    async def completion_logprobs(self, entries: list[TokenLogprob | None], offset: int,
+                                  unscored: int | None = None) -> CompletionLogprobs:
+        return await self.tokenize(lambda: completion_logprobs(entries, self.token_strings, offset, unscored))
 
     async def chat_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         return await self.tokenize(lambda: chat_logprobs(entries, self.token_strings))
@@ -271,6 +273,8 @@ async def _structured_output(ctx: ServingContext, body: SamplingFields) -> Struc
 def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]],
                      structure: StructuredOutput | None) -> list[list[SamplingParams]]:
     """One SamplingParams per choice of each prompt; checks each prompt fits the context."""
+    if body.max_tokens == 0 and not body.echoes_prompt:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo on /v1/completions)", param="max_tokens")
     out = []
     engine = ctx.engine.engine
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -298,15 +302,43 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                 choices.append(SamplingParams(
                     temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p, min_p=body.min_p,
                     repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty, max_tokens=body.max_tokens or room,
+                    frequency_penalty=body.frequency_penalty,
+                    # max_tokens 0 (echo: the prompt scored): one token is generated and not returned.
+                    max_tokens=room if body.max_tokens is None else max(body.max_tokens, 1),
                     seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
                     max_draft_tokens=body.speculative_num_draft_tokens, token_origins=body.return_provenance,
                     logprobs=body.logprobs_count, structured_output=structure,
+                    prompt_logprobs=body.logprobs_count if body.echoes_prompt else None,
                 ))
             except ValueError as err:
                 raise APIError(400, str(err)) from err
         out.append(choices)
     return out
+
+
+@dataclass
+class Echo:
+    """What completions' echo puts before each choice: its prompt's text and tokens (choice i
+    echoes prompt i // n), and whether nothing generated follows (max_tokens 0)."""
+
+    texts: list[str]
+    prompts: list[list[int]]
+    n: int
+    scoring_only: bool
+
+    @classmethod
+    async def of(cls, ctx: ServingContext, body: SamplingFields, prompts: list[list[int]]) -> "Echo | None":
+        if not body.echoes_prompt:
+            return None
+        texts = [p if isinstance(p, str) else await ctx.tokenize(lambda p=p: ctx.tokenizer.decode(p))
+                 for p in body.prompt_list()]
+        return cls(texts, prompts, body.n, body.max_tokens == 0)
+
+    def text(self, choice: int) -> str:
+        return self.texts[choice // self.n]
+
+    def prompt(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
 
 
 async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]], request: Request, chat: bool):
@@ -327,18 +359,19 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     except EngineStoppedError as err:
         raise APIError(503, str(err), "service_unavailable", code="shutting_down") from err
     prompt_tokens = sum(len(p) for p in prompts)
+    echo = await Echo.of(ctx, body, prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream_chat if chat else _stream_completion
-        return StreamingResponse(stream(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        events = (_stream_chat(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance) if chat else
+                  _stream_completion(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance, echo))
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts, outputs, provenance = await _drain(gen, request, body.return_provenance)
     if len(outputs) < len(gen.choices):  # the client went away and the generation was aborted
         return Response(status_code=499)
     if any(o.error for o in outputs.values()):
         message = next(o.error for o in outputs.values() if o.error)
         raise APIError(500, message, "internal_error")
-    usage, spec = _usage(prompt_tokens, outputs)
+    usage, spec = _usage(prompt_tokens, outputs, echo is not None and echo.scoring_only)
     model = ctx.model_name
     entries = {i: d.output.logprobs for i, d in outputs.items()} if body.logprobs_count is not None else {}
     if chat:
@@ -347,11 +380,33 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
                               logprobs=await ctx.chat_logprobs(entries[i]) if entries else None)
                    for i in sorted(texts)]
         return ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
-    choices = [CompletionChoice(index=i, text=texts[i], finish_reason=outputs[i].finish_reason,
-                                provenance=provenance.get(i),
-                                logprobs=await ctx.completion_logprobs(entries[i], 0) if entries else None)
-               for i in sorted(texts)]
+    choices = []
+    for i in sorted(texts):
+        text, logprobs, reason = texts[i], None, outputs[i].finish_reason
+        if echo is not None:  # the prompt first; with max_tokens 0 only the prompt
+            generated = "" if echo.scoring_only else text
+            text = echo.text(i) + generated
+            reason = "length" if echo.scoring_only else reason
+        if entries:
+            logprobs = await _completion_logprobs(ctx, echo, i, outputs[i].output.prompt_logprobs, entries[i])
+        choices.append(CompletionChoice(index=i, text=text, finish_reason=reason, provenance=provenance.get(i),
+                                        logprobs=logprobs))
     return CompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
+
+
+async def _completion_logprobs(ctx: ServingContext, echo: Echo | None, choice: int,
+                               prompt_entries: list | None, entries: list, offset: int = 0) -> CompletionLogprobs:
+    """A choice's legacy logprobs: with echo its prompt tokens' first (the first one's null),
+    then its generated tokens' (none with max_tokens 0), whose text offsets continue from the
+    end of the prompt's text."""
+    if echo is None:
+        return await ctx.completion_logprobs(entries, offset)
+    scored = await ctx.completion_logprobs(prompt_entries, offset, unscored=echo.prompt(choice)[0])
+    if echo.scoring_only:
+        return scored
+    generated = await ctx.completion_logprobs(entries, offset + len(echo.text(choice)))
+    return CompletionLogprobs(**{field: getattr(scored, field) + getattr(generated, field)
+                                 for field in CompletionLogprobs.model_fields})
 
 
 async def _drain(gen: Generation, request: Request,
@@ -393,8 +448,10 @@ def _provenance(delta: Delta) -> Provenance:
     return Provenance(pieces=pieces, rounds=rounds)
 
 
-def _usage(prompt_tokens: int, finals: dict[int, Delta]) -> tuple[Usage, dict]:
-    completion = sum(len(d.output.token_ids) for d in finals.values() if d.output is not None)
+def _usage(prompt_tokens: int, finals: dict[int, Delta], scoring_only: bool = False) -> tuple[Usage, dict]:
+    """Usage over every choice (no completion tokens where echo with max_tokens 0 returned
+    none) and the choices' speculation stats."""
+    completion = 0 if scoring_only else sum(len(d.output.token_ids) for d in finals.values() if d.output is not None)
     stats = SpecStats()
     for d in finals.values():
         if d.output is not None:
@@ -408,25 +465,37 @@ def _error_event(delta: Delta) -> str:
 
 
 async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool,
-                             provenance: bool) -> AsyncIterator[str]:
+                             provenance: bool, echo: Echo | None) -> AsyncIterator[str]:
     finals: dict[int, Delta] = {}
     text_offsets = [0] * len(gen.choices)  # where each choice's next token's text starts (logprobs)
+    echoed = [echo is None] * len(gen.choices)  # with echo: whether the choice's prompt went out yet
     try:
         async for index, delta in gen:
             if delta.error:
                 yield _error_event(delta)
             if delta.finish_reason is not None:
                 finals[index] = delta
-            if delta.text or delta.logprobs or delta.finish_reason is not None or (provenance and delta.round is not None):
-                logprobs = None
-                if delta.logprobs:
-                    logprobs = await ctx.completion_logprobs(delta.logprobs, text_offsets[index])
-                    text_offsets[index] += sum(len(t) for t in logprobs.tokens)
-                choice = CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason,
+            text, entries, reason, logprobs = delta.text, delta.logprobs, delta.finish_reason, None
+            if echo is not None and echo.scoring_only:  # what was generated to score the prompt stays here
+                text, entries = "", None
+                reason = reason and "length"
+            if not echoed[index] and (delta.token_ids or reason is not None):  # the prompt first
+                echoed[index] = True
+                text_offsets[index] = len(echo.text(index))  # generated tokens' offsets follow the prompt's text
+                if delta.prompt_logprobs is not None:
+                    logprobs = await _completion_logprobs(ctx, echo, index, delta.prompt_logprobs, entries or [])
+                    text_offsets[index] += sum(len(t) for t in logprobs.tokens[len(delta.prompt_logprobs):])
+                    entries = None
+                text = echo.text(index) + text
+            if entries:
+                logprobs = await ctx.completion_logprobs(entries, text_offsets[index])
+                text_offsets[index] += sum(len(t) for t in logprobs.tokens)
+            if text or logprobs or reason is not None or (provenance and delta.round is not None):
+                choice = CompletionChoice(index=index, text=text, finish_reason=reason,
                                           provenance=_provenance(delta) if provenance else None, logprobs=logprobs)
                 yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[choice]))
         if include_usage:
-            usage, spec = _usage(prompt_tokens, finals)
+            usage, spec = _usage(prompt_tokens, finals, echo is not None and echo.scoring_only)
             yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[], usage=usage, spec=spec))
         yield _sse("[DONE]")
     finally:

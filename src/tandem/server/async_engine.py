@@ -51,6 +51,9 @@ class Delta:
     text_origins: list[tuple[str, str]] | None = None
     round: RoundCounts | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, where asked for
+    # Where asked for (SamplingParams.prompt_logprobs), on the choice's first delta with tokens:
+    # one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -246,6 +249,9 @@ class AsyncEngine:
             reason = u.request.finish_reason
             delta = Delta(u.new_text, u.new_token_ids, reason, u.request.output() if reason else None,
                           text_origins=u.text_origins, round=u.round, logprobs=u.logprobs)
+            req = u.request
+            if req.params.prompt_logprobs is not None and u.new_token_ids and len(req.output_ids) == len(u.new_token_ids):
+                delta.prompt_logprobs = [None, *req.prompt_logprobs]
             if reason == "error":
                 delta.error = "the model produced NaN or inf logits for this request; it was ended"
             if reason:

@@ -65,11 +65,21 @@ def _piece_bytes(piece: str) -> bytes | None:
     return None
 
 
-def completion_logprobs(entries: list[TokenLogprob], strings: TokenStrings, offset: int) -> CompletionLogprobs:
+def completion_logprobs(entries: list[TokenLogprob | None], strings: TokenStrings, offset: int,
+                        unscored: int | None = None) -> CompletionLogprobs:
     """The completions shape of `entries`, the first token's text starting at `offset` of the
-    choice's text."""
-    tokens, offsets, tops = [], [], []
+    choice's text; `unscored`: the token of a leading None entry (an echoed prompt's first
+    token, which nothing predicts: null logprob and alternatives)."""
+    tokens, offsets, tops, values = [], [], [], []
     for e in entries:
+        if e is None:
+            text = strings(unscored)[0]
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            tops.append(None)
+            values.append(None)
+            continue
         text = strings(e.token_id)[0]
         tokens.append(text)
         offsets.append(offset)
@@ -77,8 +87,8 @@ def completion_logprobs(entries: list[TokenLogprob], strings: TokenStrings, offs
         top = {strings(t)[0]: lp for t, lp in e.top}
         top.setdefault(text, e.logprob)  # OpenAI: the sampled token is always among them
         tops.append(top)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries], top_logprobs=tops,
-                              text_offset=offsets)
+        values.append(e.logprob)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 
 
 def chat_logprobs(entries: list[TokenLogprob], strings: TokenStrings) -> ChatLogprobs:

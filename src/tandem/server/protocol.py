@@ -24,7 +24,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # naming the field instead of a silently different answer.
 UNSUPPORTED = {
     "logit_bias": "logit_bias",
-    "echo": "echo",
+    "echo": "echo (on /v1/completions only)",
     "suffix": "suffix (insertion)",
     "tools": "tool calling",
     "tool_choice": "tool calling",
@@ -91,7 +91,8 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
-    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_tokens: int | None = Field(None, ge=0, description="default: the rest of the context; 0 only with echo "
+                                                             "(the prompt scored, nothing generated)")
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -145,6 +146,11 @@ class SamplingFields(BaseModel):
         return self
 
     @property
+    def echoes_prompt(self) -> bool:
+        """Whether each choice's text starts with its prompt (completions' echo)."""
+        return False
+
+    @property
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
@@ -170,10 +176,16 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="each output token's log-probability and this many most likely "
                                              "alternatives (the sampled token's is always included)")
+    echo: bool = Field(False, description="each choice's text starts with its prompt (and, with logprobs, its "
+                                          "logprobs with the prompt tokens', the first one's null)")
 
     @property
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echoes_prompt(self) -> bool:
+        return self.echo
 
     @field_validator("prompt")
     @classmethod
@@ -290,8 +302,8 @@ class CompletionLogprobs(BaseModel):
     text (counted from the start of the choice, across a stream's chunks)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # null for an echoed prompt's first token (nothing predicts it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
