@@ -201,7 +201,7 @@ def test_audit_applies_the_repetition_penalty():
 def test_audit_catches_a_penalty_missing_on_the_draft_rows(monkeypatch):
     real = grading.target_probs
 
-    def penalty_on_row_0_only(logits, draft, params, context, num_prompt_tokens=None, allowed=None):
+    def penalty_on_row_0_only(logits, draft, params, context, num_prompt_tokens=None, shift=None):
         rows = real(logits, draft, params, context, num_prompt_tokens)
         return torch.cat([rows[:1], processed_probs(logits[1:], params)])
 
@@ -215,9 +215,9 @@ def test_engine_and_audit_grade_through_the_same_function(monkeypatch):
     calls = []
     real = grading.grade_round
 
-    def recording(logits, draft, params, context, generator, num_prompt_tokens=None, allowed=None):
+    def recording(logits, draft, params, context, generator, num_prompt_tokens=None, shift=None):
         calls.append(len(draft))
-        return real(logits, draft, params, context, generator, num_prompt_tokens, allowed)
+        return real(logits, draft, params, context, generator, num_prompt_tokens, shift)
 
     monkeypatch.setattr(grading, "grade_round", recording)
     eng = engine("test_audit_sampled")
@@ -386,7 +386,7 @@ def test_audit_applies_the_presence_and_frequency_penalties():
 def test_audit_catches_output_penalties_missing_on_the_draft_rows(monkeypatch):
     real = grading.target_probs
 
-    def drafts_not_counted(logits, draft, params, context, num_prompt_tokens=None, allowed=None):
+    def drafts_not_counted(logits, draft, params, context, num_prompt_tokens=None, shift=None):
         rows = real(logits, draft, params, context, num_prompt_tokens)
         later = processed_probs(logits[1:], params, None, grading.output_counts(context, params, num_prompt_tokens))
         return torch.cat([rows[:1], later])

@@ -190,6 +190,32 @@ def test_penalised_greedy_identity(algorithm, tree, penalty, wrong_every):
     assert out[0].spec.mean_acceptance_length > (2 if wrong_every == 0 else 1.2)
 
 
+@pytest.mark.parametrize("algorithm, tree", [("test_scripted", False), ("test_scripted_tree", True), ("ngram", False)])
+def test_logit_bias_greedy_identity(algorithm, tree):
+    """A logit bias banning some of plain decoding's tokens and favouring another moves the
+    output, and speculative output is plain output under the same bias, token for token."""
+    free = make_llm().generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    banned = {t: -100.0 for o in free for t in o.token_ids[2:5]}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={**banned, 44: 3.0})
+    spec = SpecConfig(algorithm=algorithm, num_draft_tokens=10 if tree else 4, eagle_topk=2 if tree else 1, num_steps=4)
+    llm = make_llm(spec=spec)
+    plain = _install_script(llm, params, 3)
+    assert all(t not in banned for o in plain for t in o.token_ids)
+    assert [o.token_ids for o in plain] != [o.token_ids for o in free]
+    out = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    forced = make_llm().generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=8, seed=1, logit_bias={44: 100.0},
+                                                            ignore_eos=True))[0]
+    assert forced.token_ids == [44] * 8
+
+
+def test_logit_bias_is_checked():
+    with pytest.raises(ValueError, match="biases in"):
+        SamplingParams(logit_bias={5: 101.0})
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_llm().generate(PROMPTS[0], SamplingParams(logit_bias={500: 1.0}))
+
+
 def test_stops_inside_an_accepted_run():
     """Drafts run past max_tokens and past a stop token: nothing after them is emitted or counted."""
     base_params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -330,12 +330,12 @@ def test_sampled_output_follows_the_target_under_a_repetition_penalty(spec, nois
         assert checks[-1].n >= 800
 
 
-def rows_without_penalty(logits, draft, params, context, num_prompt_tokens=None, allowed=None):
+def rows_without_penalty(logits, draft, params, context, num_prompt_tokens=None, shift=None):
     """Verification rows processed without the repetition penalty (plain rows keep it)."""
     return processed_probs(logits, params)
 
 
-def rows_penalising_the_context_only(logits, draft, params, context, num_prompt_tokens=None, allowed=None):
+def rows_penalising_the_context_only(logits, draft, params, context, num_prompt_tokens=None, shift=None):
     """Every verification row penalises the context only: the bonus row after an accepted
     draft token forgets that token (row i must also penalise d_1..d_{i-1})."""
     return processed_probs(logits, params, grading.seen_ids(context, params))

@@ -229,6 +229,21 @@ def test_echo_scores_the_prompt(spec_server, stream, max_tokens):
     assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(generated)
 
 
+def test_logit_bias_reaches_the_engine(spec_server):
+    """The openai client's logit_bias: the speculative server answers what plain decoding with
+    the same bias does, and a bias of 100 forces a token."""
+    server, _ = spec_server
+    llm = LLM.from_loaded(chat_loaded(), EngineConfig(max_model_len=MAX_LEN, max_num_seqs=1))
+    free = plain_greedy(chat_loaded(), PROMPTS[2], 16)[0]
+    bias = {5: -100.0, 60: -100.0, 7: -100.0, 33: 2.0}
+    want = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=16, logit_bias=bias))[0].text
+    r = client(server).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                          logit_bias={str(t): b for t, b in bias.items()})
+    assert r.choices[0].text == want != free
+    r = client(server).completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4, logit_bias={"44": 100})
+    assert r.choices[0].text == "<44>" * 4
+
+
 def test_no_logprobs_field_unless_asked(spec_server):
     server, _ = spec_server
     r = client(server).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "1 2"}], max_tokens=4)
@@ -415,6 +430,9 @@ ERRORS = [
     ("/completions", {"prompt": [1, 2], "stop": [""]}, 400, "stop"),
     ("/completions", {"prompt": [1, 2], "logprobs": 21}, 400, "logprobs"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "echo": True}, 400, None),
+    ("/completions", {"prompt": [1, 2], "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/completions", {"prompt": [1, 2], "logit_bias": {"500": 1}}, 400, "logit_bias"),
+    ("/completions", {"prompt": [1, 2], "logit_bias": {"5": 101}}, 400, None),
     ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}, 400, None),
     ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "logprobs": True, "top_logprobs": 30}, 400,
      "top_logprobs"),

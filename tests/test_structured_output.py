@@ -192,9 +192,9 @@ def exact_law(loaded, prompt: list[int]) -> dict[tuple[int, ...], float]:
     def dist(prefix: tuple[int, ...]) -> torch.Tensor:
         out = runner.forward([SeqInput(row, prompt + list(prefix), logits="last")])
         cache.truncate(row, 0)
-        allowed = torch.zeros(1, VOCAB, dtype=torch.bool)
-        allowed[0, [char(c) for c in POSITIONS[len(prefix)]]] = True
-        return processed_probs(out.rows(0), LAW_PARAMS, allowed=allowed)[0].double()
+        refused = torch.full((1, VOCAB), float("-inf"))
+        refused[0, [char(c) for c in POSITIONS[len(prefix)]]] = 0.0
+        return processed_probs(out.rows(0), LAW_PARAMS, shift=refused)[0].double()
 
     law = {}
     for a in map(char, POSITIONS[0]):

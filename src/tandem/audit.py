@@ -351,6 +351,9 @@ def audit_rounds(auditor: Auditor, rounds: list[_Round], alpha: float) -> list[A
 
 def run_audit(engine: Engine, prompt_ids: list[int], params: SamplingParams, rounds: int = 4000,
               alpha: float = 1e-3, batch: int = 64, seed: int = 0) -> AuditReport:
+    if not params.greedy and (params.structured_output is not None or params.logit_bias):
+        raise ValueError("the sampled audit checks the target's own distribution; a structured output or a logit "
+                         "bias shifts it (tests/test_structured_output.py checks that case)")
     report = AuditReport(engine.config.spec.algorithm or "", rounds, alpha)
     if params.greedy:
         report.checks.append(_greedy_identity(engine, prompt_ids, params))

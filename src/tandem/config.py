@@ -108,6 +108,10 @@ class SamplingParams:
     token_origins: bool = False
     # What the output must match (None: anything): see StructuredOutput.
     structured_output: StructuredOutput | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs, each bias in [-100, 100] added to that token's
+    # logit before penalties, temperature and filters (-100 bans a token, +100 all but forces it).
+    # A dict {id: bias} is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +119,11 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        for token, value in self.logit_bias:
+            if token < 0 or not (math.isfinite(value) and -100.0 <= value <= 100.0):
+                raise ValueError(f"logit_bias maps token ids (>= 0) to biases in [-100, 100], got {token}: {value}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -61,20 +61,19 @@ def processed_probs(
     params: SamplingParams,
     seen_ids: torch.Tensor | None = None,
     output_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
-    allowed: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[N, V] logits -> [N, V] fp32 probabilities that plain sampling draws from.
 
     seen_ids: the distinct ids of prompt and output (the repetition penalty's); output_counts:
-    (ids, counts) of the generated tokens (the presence and frequency penalties'); allowed:
-    [N, V] bool, the tokens a structured output lets come next (tandem.grammar): every other
-    token's logit is -inf before anything else. Greedy (temperature 0) gives the one-hot vector
-    of the argmax of the penalised logits.
+    (ids, counts) of the generated tokens (the presence and frequency penalties'); shift: [N, V]
+    added to the logits before anything else (`shifted`). Greedy (temperature 0) gives the
+    one-hot vector of the argmax of the penalised logits.
     """
     logits = logits.float()
     if not all_finite(logits):
         raise NonFiniteLogitsError("the model produced NaN or inf logits")
-    logits = constrained(logits, allowed)
+    logits = shifted(logits, shift)
     if seen_ids is not None:
         logits = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     if output_counts is not None:
@@ -105,10 +104,11 @@ def processed_probs(
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def constrained(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """logits with every token outside `allowed` (bool, the logits' shape) at -inf; unchanged
-    without a mask."""
-    return logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+def shifted(logits: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    """logits + shift: what a request does to the target's logits before anything else, -inf
+    for the tokens its structured output refuses (tandem.grammar) and its logit_bias; 0 leaves a
+    logit exactly as it was. Unchanged without a shift."""
+    return logits if shift is None else logits + shift.to(logits.device)
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -98,6 +98,13 @@ class Engine:
                 f"{self.admission.max_total_tokens} for all requests (max_total_tokens): ask for fewer max_tokens"
             )
         grammar = self.grammars.state(params.structured_output) if params.structured_output is not None else None
+        bias_row = None
+        if params.logit_bias:
+            vocab = self.loaded.config.vocab_size
+            if max(t for t, _ in params.logit_bias) >= vocab:
+                raise ValueError(f"logit_bias names a token outside the vocabulary [0, {vocab})")
+            bias_row = torch.zeros(vocab)
+            bias_row[[t for t, _ in params.logit_bias]] = torch.tensor([b for _, b in params.logit_bias])
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
@@ -105,6 +112,7 @@ class Engine:
             generator=make_generator(params.seed, self.config.device),
             eos_ids=self.eos_ids,
             grammar=grammar,
+            bias_row=bias_row,
         )
         self.waiting.append(req)
         return req
@@ -198,7 +206,8 @@ class Engine:
                 continue
             self.prefilling.remove(req)
             try:
-                token = self._sample_one(out.rows(b), req, None if req.grammar is None else req.grammar.allowed()[None])
+                token = self._sample_one(out.rows(b), req,
+                                         req.logit_shift(None if req.grammar is None else req.grammar.allowed()[None], 1))
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
@@ -214,14 +223,14 @@ class Engine:
             return self._prefill(chunks) if chunks else []
         contexts = [len(r.context) for r in batch]  # before this round: the keys its rows read
         drafts = self._propose(batch, contexts)
-        drafts, allowed = self._constrain(batch, drafts)
+        drafts, shifts = self._shift_rows(batch, drafts)
         verify_start = time.perf_counter()
         out, tokens = self._verify_forward(batch, drafts, chunks)
         updates, outcomes = [], []
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             logits = out.rows(b)
             try:
-                committed, path = self._grade(logits, req, draft, allowed[b])
+                committed, path = self._grade(logits, req, draft, shifts[b])
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
@@ -234,25 +243,26 @@ class Engine:
         self._learn(outcomes, None if chunks else (tokens, seconds, [1 + len(d.token_ids) for d in drafts], contexts))
         return updates + self._prefilled(out, chunks, first=len(batch))
 
-    def _constrain(self, batch: list[Request], drafts: list[Draft]) -> tuple[list[Draft], list[torch.Tensor | None]]:
-        """For requests with a structured output: the tokens each verified row may take ([n + 1,
-        V] bool, row i after the committed tokens and the draft's path to node i; tandem.grammar),
-        and a deterministic chain cut before the first token its grammar refuses. The one-hot rule
-        would reject that token with certainty and draw from p with it removed, which is p itself
-        (its probability is 0), so the cut changes nothing but the rows computed. A sampled
-        draft is kept whole: the q-ratio rule's residual at a refused token is not p."""
-        allowed: list[torch.Tensor | None] = [None] * len(batch)
+    def _shift_rows(self, batch: list[Request], drafts: list[Draft]) -> tuple[list[Draft], list[torch.Tensor | None]]:
+        """What each request adds to its verified rows' logits first (Request.logit_shift; None
+        for most): its logit bias, and for a structured output -inf where the grammar refuses a
+        token, row i after the committed tokens and the draft's path to node i (tandem.grammar).
+        A deterministic chain is cut before the first token its grammar refuses: the one-hot rule
+        would reject it with certainty and draw from p with it removed, which is p itself (its
+        probability is 0), so the cut changes nothing but the rows computed. A sampled draft is
+        kept whole: the q-ratio rule's residual at a refused token is not p."""
+        shifts: list[torch.Tensor | None] = [None] * len(batch)
         for b, (req, draft) in enumerate(zip(batch, drafts)):
-            if req.grammar is None:
-                continue
-            if draft.is_tree:
+            allowed = None
+            if req.grammar is not None and draft.is_tree:
                 nodes = draft.token_ids
-                allowed[b] = req.grammar.allowed_paths([[nodes[i] for i in path] for path in tree_paths(draft.parents)])
-                continue
-            if draft.probs is None:
-                draft = drafts[b] = draft.truncated(req.grammar.valid_prefix(draft.token_ids))
-            allowed[b] = req.grammar.allowed_along(draft.token_ids)[0]
-        return drafts, allowed
+                allowed = req.grammar.allowed_paths([[nodes[i] for i in path] for path in tree_paths(draft.parents)])
+            elif req.grammar is not None:
+                if draft.probs is None:
+                    draft = drafts[b] = draft.truncated(req.grammar.valid_prefix(draft.token_ids))
+                allowed = req.grammar.allowed_along(draft.token_ids)[0]
+            shifts[b] = req.logit_shift(allowed, len(draft) + 1)
+        return drafts, shifts
 
     def _verify_forward(self, batch: list[Request], drafts: list[Draft], chunks: list[tuple[Request, int, int]]):
         """One target forward over every request's next token and draft, token by token: each
@@ -387,16 +397,16 @@ class Engine:
         """How many draft tokens (tree nodes) fit in the cache after next_token."""
         return self.config.max_model_len - self.cache.lengths[req.seq] - 1
 
-    def _sample_one(self, logits: torch.Tensor, req: Request, allowed: torch.Tensor | None) -> int:
+    def _sample_one(self, logits: torch.Tensor, req: Request, shift: torch.Tensor | None) -> int:
         """Plain decoding's token from the last row (the shared grading's empty-draft case)."""
-        return grading.sample_plain(logits, req.params, req.context, req.generator, len(req.prompt_ids), allowed)
+        return grading.sample_plain(logits, req.params, req.context, req.generator, len(req.prompt_ids), shift)
 
     def _grade(self, logits: torch.Tensor, req: Request, draft: Draft,
-               allowed: torch.Tensor | None) -> tuple[list[int], list[int]]:
+               shift: torch.Tensor | None) -> tuple[list[int], list[int]]:
         """Target logits [n+1, V] for [next_token, d_1..d_n] -> committed tokens and the accepted
         draft nodes (a chain's are 0..accepted-1). Through `grading.grade_round`, the function
         `tandem audit` grades with: the audit checks exactly this."""
-        return grading.grade_round(logits, draft, req.params, req.context, req.generator, len(req.prompt_ids), allowed)
+        return grading.grade_round(logits, draft, req.params, req.context, req.generator, len(req.prompt_ids), shift)
 
     def _commit(self, req: Request, tokens: list[int], counts: "RoundCounts",
                 origins: list[str] | None = None, rows: torch.Tensor | None = None) -> tuple[StepUpdate, "RoundCounts"]:

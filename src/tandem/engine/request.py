@@ -155,6 +155,19 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # With params.structured_output: its matcher, advanced by every committed token.
     grammar: GrammarState | None = None
+    # With params.logit_bias: the bias as one [V] row, added to every row's logits.
+    bias_row: torch.Tensor | None = None
+
+    def logit_shift(self, allowed: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+        """What to add to `rows` logit rows before anything else (sampling.shifted): -inf where
+        the structured output refuses a token (allowed: [rows, V] bool from its grammar), plus
+        the logit bias; None when the request has neither."""
+        if allowed is None and self.bias_row is None:
+            return None
+        if allowed is None:
+            return self.bias_row.expand(rows, -1)
+        shift = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        return shift if self.bias_row is None else shift + self.bias_row
 
     def generator_on(self, device: str | torch.device) -> torch.Generator:
         """The generator for draws on `device`: the request's own where it lives, else one made

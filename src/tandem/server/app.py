@@ -275,6 +275,10 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
     """One SamplingParams per choice of each prompt; checks each prompt fits the context."""
     if body.max_tokens == 0 and not body.echoes_prompt:
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo on /v1/completions)", param="max_tokens")
+    try:
+        biases = body.token_biases(ctx.vocab_size)
+    except ValueError as err:
+        raise APIError(400, str(err), param="logit_bias") from err
     out = []
     engine = ctx.engine.engine
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -308,7 +312,7 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                     seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
                     max_draft_tokens=body.speculative_num_draft_tokens, token_origins=body.return_provenance,
                     logprobs=body.logprobs_count, structured_output=structure,
-                    prompt_logprobs=body.logprobs_count if body.echoes_prompt else None,
+                    prompt_logprobs=body.logprobs_count if body.echoes_prompt else None, logit_bias=biases,
                 ))
             except ValueError as err:
                 raise APIError(400, str(err)) from err

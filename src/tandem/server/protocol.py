@@ -23,7 +23,6 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Fields OpenAI defines that tandem does not implement: a request asking for them gets a 400
 # naming the field instead of a silently different answer.
 UNSUPPORTED = {
-    "logit_bias": "logit_bias",
     "echo": "echo (on /v1/completions only)",
     "suffix": "suffix (insertion)",
     "tools": "tool calling",
@@ -118,6 +117,8 @@ class SamplingFields(BaseModel):
                            "acceptance of each speculative round")
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: what the "
                                                                      "output must match")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], added to that "
+                                                                  "token's logit before sampling")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="extension (vLLM's): the output must match a JSON schema, any JSON object, a regex, one "
                           "of a list of strings or a Lark grammar")
@@ -158,6 +159,20 @@ class SamplingFields(BaseModel):
     def logprobs_count(self) -> int | None:
         """How many alternatives per output token the request asked for (None: no logprobs)."""
         return None
+
+    def token_biases(self, vocab_size: int) -> dict[int, float]:
+        """logit_bias with its keys as token ids; raises ValueError for a key that is not an id
+        of the vocabulary (the biases' range is SamplingParams')."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}") from None
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
+            out[token] = bias
+        return out
 
     def structured_output(self) -> StructuredOutput | None:
         """What the output must match (response_format or structured_outputs), or None; raises

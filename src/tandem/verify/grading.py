@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.config import SamplingParams
-from tandem.sampling import NonFiniteLogitsError, all_finite, constrained, processed_probs, row_argmax, sample
+from tandem.sampling import NonFiniteLogitsError, all_finite, processed_probs, row_argmax, sample, shifted
 from tandem.types import Draft
 from tandem.verify.chain import verify_chain
 from tandem.verify.paths import tree_paths
@@ -30,7 +30,7 @@ def grade_round(
     context: Sequence[int],
     generator: torch.Generator | None,
     num_prompt_tokens: int | None = None,
-    allowed: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> tuple[list[int], list[int]]:
     """Grade one request's round.
 
@@ -42,17 +42,18 @@ def grade_round(
     draft: the round's Draft; an empty one is plain decoding (one draw, or the argmax, from the
         last row, exactly as without speculation).
     generator: the request's generator (greedy requests without a penalty draw nothing).
-    allowed: [n + 1, V] bool, the tokens a structured output lets each row take (None: all).
+    shift: [n + 1, V] added to each row's logits first (sampling.shifted: a structured output's
+        refused tokens at -inf, the logit bias; None: nothing).
 
     Returns (committed tokens: the accepted drafts then the recovered/bonus token, accepted
     draft nodes root first: a chain's are 0..accepted-1). Raises NonFiniteLogitsError when a row
     in use holds NaN or inf.
     """
     if not draft.token_ids:
-        return [sample_plain(logits, params, context, generator, num_prompt_tokens, allowed)], []
+        return [sample_plain(logits, params, context, generator, num_prompt_tokens, shift)], []
     if params.greedy and not params.penalized and not draft.is_tree:
-        return grade_greedy_chain(logits, draft.token_ids, allowed)
-    probs = target_probs(logits, draft, params, context, num_prompt_tokens, allowed)
+        return grade_greedy_chain(logits, draft.token_ids, shift)
+    probs = target_probs(logits, draft, params, context, num_prompt_tokens, shift)
     if draft.is_tree:
         if draft.probs is not None:
             raise ValueError("tree drafts must be deterministic (top-k children); sampled trees are not supported")
@@ -71,16 +72,16 @@ def grade_round(
 
 
 def grade_greedy_chain(logits: torch.Tensor, drafted: Sequence[int],
-                       allowed: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
+                       shift: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
     """The greedy chain rule without building p: accept d_i while it is the argmax of row i - 1
     (ties: the first index, as the one-hot p of processed_probs), then commit the argmax of the
-    next row (among its allowed tokens, with a structured output). The same tokens verify_chain
+    next row (of its shifted logits, with a structured output or a logit bias). The same tokens verify_chain
     commits for greedy rows, at a fraction of the cost (no [n + 1, V] probability rows). Raises
     NonFiniteLogitsError on NaN or inf in any row."""
     rows = logits[: len(drafted) + 1]
     if not all_finite(rows):
         raise NonFiniteLogitsError("the model produced NaN or inf logits")
-    best = row_argmax(constrained(rows, None if allowed is None else allowed[: len(drafted) + 1])).tolist()
+    best = row_argmax(shifted(rows, None if shift is None else shift[: len(drafted) + 1])).tolist()
     accepted = 0
     while accepted < len(drafted) and drafted[accepted] == best[accepted]:
         accepted += 1
@@ -89,29 +90,29 @@ def grade_greedy_chain(logits: torch.Tensor, drafted: Sequence[int],
 
 def sample_plain(
     logits: torch.Tensor, params: SamplingParams, context: Sequence[int], generator: torch.Generator | None,
-    num_prompt_tokens: int | None = None, allowed: torch.Tensor | None = None,
+    num_prompt_tokens: int | None = None, shift: torch.Tensor | None = None,
 ) -> int:
     """Plain decoding's token from the last row of logits [N, V]: the argmax under greedy without
     a penalty (no draw), else one draw from the processed distribution (context and
-    num_prompt_tokens as grade_round's; allowed: [1, V] or [N, V] bool, whose last row is the
-    last logits row's structured-output mask)."""
-    mask = None if allowed is None else allowed[-1:]
+    num_prompt_tokens as grade_round's; shift: [1, V] or [N, V], whose last row is added to the
+    last logits row first)."""
+    mask = None if shift is None else shift[-1:]
     if params.greedy and not params.penalized:
         if not all_finite(logits[-1]):
             raise NonFiniteLogitsError("the model produced NaN or inf logits")
-        return int(row_argmax(constrained(logits[-1:], mask))[0])
+        return int(row_argmax(shifted(logits[-1:], mask))[0])
     probs = processed_probs(logits[-1:], params, seen_ids(context, params),
                             output_counts(context, params, num_prompt_tokens), mask)
     return int(sample(probs, generator)[0])
 
 
 def target_probs(logits: torch.Tensor, draft: Draft, params: SamplingParams, context: Sequence[int],
-                 num_prompt_tokens: int | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+                 num_prompt_tokens: int | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
     """[n + 1, V] logits -> processed p, each row exactly as plain sampling would process it at
     that point: with a penalty, row i also counts the draft tokens on its path as generated
-    (row 0: the context alone); with a structured output, row i's allowed tokens."""
+    (row 0: the context alone); with a shift, row i's added to row i first."""
     if not params.penalized:
-        return processed_probs(logits, params, allowed=allowed)
+        return processed_probs(logits, params, shift=shift)
     known = set(context) if params.repetition_penalty != 1.0 else None
     generated = Counter(_generated(context, num_prompt_tokens)) if params.penalizes_output else None
     paths = [[]] + tree_paths(draft.parents if draft.is_tree else list(range(-1, len(draft) - 1)))
@@ -121,7 +122,7 @@ def target_probs(logits: torch.Tensor, draft: Draft, params: SamplingParams, con
         seen = None if known is None else torch.tensor(sorted(known.union(on_path)), dtype=torch.long)
         counts = None if generated is None else _id_counts(generated + Counter(on_path))
         rows.append(processed_probs(logits[row : row + 1], params, seen, counts,
-                                    None if allowed is None else allowed[row : row + 1]))
+                                    None if shift is None else shift[row : row + 1]))
     return torch.cat(rows)
 
 
