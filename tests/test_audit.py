@@ -215,9 +215,9 @@ def test_engine_and_audit_grade_through_the_same_function(monkeypatch):
     calls = []
     real = grading.grade_round
 
-    def recording(logits, draft, params, context, generator, num_prompt_tokens=None, shift=None):
+    def recording(logits, draft, params, context, generator, num_prompt_tokens=None, shift=None, greedy=None):
         calls.append(len(draft))
-        return real(logits, draft, params, context, generator, num_prompt_tokens, shift)
+        return real(logits, draft, params, context, generator, num_prompt_tokens, shift, greedy)
 
     monkeypatch.setattr(grading, "grade_round", recording)
     eng = engine("test_audit_sampled")

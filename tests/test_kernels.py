@@ -55,6 +55,31 @@ def test_block_linear_rows_are_independent_bitwise(kind):
     assert torch.equal(layer(x), alone)  # thread count does not change any element
 
 
+@pytest.mark.parametrize("kind", [BlockQ4Linear, BlockQ8Linear])
+def test_linear_argmax_is_numpys_over_the_rows_it_wrote(kind):
+    """The LM head's argmax and finiteness per row: numpy's first index of the largest value
+    (ties included: weight rows repeated give equal outputs), a NaN or an infinity anywhere in
+    a row flags it, with one thread or two."""
+    torch.manual_seed(3)
+    base = torch.randn(70, 96)
+    w = torch.cat([base, base[:3], base[5:6].repeat(4, 1), base])  # 147 outputs: repeats tie with earlier ones
+    layer = kind.quantize(w)
+    k = block_kernels()
+    x = torch.randn(9, 96)
+    x[4] = 0.0  # every output 0: a tie across all columns, the first wins
+    x[6, 10] = float("nan")
+    x[7, 3] = float("inf")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        y, best, finite = k.linear_argmax(x, layer.blocks(k))
+        torch.testing.assert_close(y, k.linear(x, layer.blocks(k)), rtol=0, atol=0, equal_nan=True)
+        assert finite.tolist() == [bool(torch.isfinite(row).all()) for row in y]
+        rows = [i for i in range(len(x)) if finite[i]]
+        assert best[rows].tolist() == y[rows].numpy().argmax(-1).tolist()
+        assert best[4] == 0
+    torch.set_num_threads(1)
+
+
 def test_q4_blocks_keep_gguf_affine_groups_exactly():
     torch.manual_seed(2)
     q = torch.randint(0, 16, (16, 64), dtype=torch.uint8)

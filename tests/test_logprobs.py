@@ -181,3 +181,17 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_come_in_pieces_bit_for_bit(bl
     whole = runner.forward([SeqInput(cache.allocate(), prompt, logits="all")]).logits
     want = token_logprobs(whole[:-1], prompt[1:], 1)
     assert first.prompt_logprobs[1:] == want
+
+
+def test_nan_logits_end_the_request_on_the_fused_path(block_variant):
+    """The LM head's greedy rows flag a NaN: a greedy request fed a poisoned token ends with an
+    error, plain or speculative, where the others finish as without it."""
+    loaded = quantized_tiny("qwen2")  # untied head: the NaN embedding row poisons only its own sequence
+    loaded.model.embed.data[96] = float("nan")
+    for spec in (SpecConfig(), SpecConfig(algorithm="ngram", num_draft_tokens=3)):
+        llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=128, spec=spec))
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        good, bad = llm.generate([PROMPTS[1], [5, 96, 7]], params)
+        assert bad.finish_reason == "error" and good.finish_reason == "length" and len(good.token_ids) == 8
+        alone = LLM.from_loaded(loaded, EngineConfig(max_model_len=128)).generate(PROMPTS[1], params)[0]
+        assert good.token_ids == alone.token_ids

@@ -230,6 +230,25 @@ def _add_counts(a: list[int], b: list[int]) -> list[int]:
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
 
+@dataclass(frozen=True)
+class GreedyRows:
+    """Of some logits rows, found with them (the fused path's LM head): each row's argmax, the
+    first index of its largest value as numpy's, and whether the row is all finite. What greedy
+    grading needs, without reading the rows again."""
+
+    argmax: torch.Tensor  # [N] int64
+    finite: torch.Tensor  # [N] bool
+
+    def __getitem__(self, rows: slice) -> "GreedyRows":
+        return GreedyRows(self.argmax[rows], self.finite[rows])
+
+    @staticmethod
+    def cat(parts: "list[GreedyRows | None]") -> "GreedyRows | None":
+        if not parts or any(p is None for p in parts):
+            return None
+        return GreedyRows(torch.cat([p.argmax for p in parts]), torch.cat([p.finite for p in parts]))
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """One output token's log-probability under the target's raw distribution at its position

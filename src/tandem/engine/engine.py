@@ -33,7 +33,7 @@ from tandem.sampling import NonFiniteLogitsError, make_generator, token_logprobs
 from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.factory import create_policy
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy
-from tandem.types import Draft, SpecStats
+from tandem.types import Draft, GreedyRows, SpecStats
 from tandem.verify import grading
 from tandem.verify.paths import rooted_parents, tree_paths
 
@@ -207,7 +207,8 @@ class Engine:
             self.prefilling.remove(req)
             try:
                 token = self._sample_one(out.rows(b), req,
-                                         req.logit_shift(None if req.grammar is None else req.grammar.allowed()[None], 1))
+                                         req.logit_shift(None if req.grammar is None else req.grammar.allowed()[None], 1),
+                                         out.greedy_rows(b))
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
@@ -230,7 +231,7 @@ class Engine:
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             logits = out.rows(b)
             try:
-                committed, path = self._grade(logits, req, draft, shifts[b])
+                committed, path = self._grade(logits, req, draft, shifts[b], out.greedy_rows(b))
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
@@ -397,16 +398,18 @@ class Engine:
         """How many draft tokens (tree nodes) fit in the cache after next_token."""
         return self.config.max_model_len - self.cache.lengths[req.seq] - 1
 
-    def _sample_one(self, logits: torch.Tensor, req: Request, shift: torch.Tensor | None) -> int:
+    def _sample_one(self, logits: torch.Tensor, req: Request, shift: torch.Tensor | None,
+                    greedy: GreedyRows | None) -> int:
         """Plain decoding's token from the last row (the shared grading's empty-draft case)."""
-        return grading.sample_plain(logits, req.params, req.context, req.generator, len(req.prompt_ids), shift)
+        return grading.sample_plain(logits, req.params, req.context, req.generator, len(req.prompt_ids), shift, greedy)
 
-    def _grade(self, logits: torch.Tensor, req: Request, draft: Draft,
-               shift: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    def _grade(self, logits: torch.Tensor, req: Request, draft: Draft, shift: torch.Tensor | None,
+               greedy: GreedyRows | None) -> tuple[list[int], list[int]]:
         """Target logits [n+1, V] for [next_token, d_1..d_n] -> committed tokens and the accepted
         draft nodes (a chain's are 0..accepted-1). Through `grading.grade_round`, the function
         `tandem audit` grades with: the audit checks exactly this."""
-        return grading.grade_round(logits, draft, req.params, req.context, req.generator, len(req.prompt_ids), shift)
+        return grading.grade_round(logits, draft, req.params, req.context, req.generator, len(req.prompt_ids), shift,
+                                   greedy)
 
     def _commit(self, req: Request, tokens: list[int], counts: "RoundCounts",
                 origins: list[str] | None = None, rows: torch.Tensor | None = None) -> tuple[StepUpdate, "RoundCounts"]:

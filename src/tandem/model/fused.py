@@ -33,6 +33,7 @@ from tandem.model.kernels import (
     decoder_layers,
 )
 from tandem.model.transformer import TransformerLM
+from tandem.types import GreedyRows
 
 # Rows per native call: the scratch rows of a call stay a few MB, and a weight read from memory
 # still serves hundreds of rows (a 700-token prompt: 0.59-0.66 s in one call or in 256-row
@@ -94,6 +95,15 @@ class FusedDecoder:
             return self.model.logits(hidden)
         return self.kernels.linear(hidden.contiguous(), self._head, transform=RMS_NORM,
                                    norm_weight=self._final_norm, eps=self.shape.eps)
+
+    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, GreedyRows | None]:
+        """`logits`, and where the head runs on the block kernels each row's argmax and
+        finiteness from the same call (GreedyRows; None elsewhere)."""
+        if self._head is None:
+            return self.model.logits(hidden), None
+        logits, best, finite = self.kernels.linear_argmax(hidden.contiguous(), self._head, transform=RMS_NORM,
+                                                          norm_weight=self._final_norm, eps=self.shape.eps)
+        return logits, GreedyRows(best, finite)
 
     def forward(self, tokens: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cache,
                 hidden_layers: tuple[int, ...], tree: TreeKeys | None = None

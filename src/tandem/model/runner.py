@@ -16,6 +16,7 @@ from tandem.model.fused import FUSED_ROW_BUDGET, FusedDecoder
 from tandem.model.kernels import TreeKeys
 from tandem.model.kv_cache import KVCache
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
+from tandem.types import GreedyRows
 from tandem.verify.paths import tree_paths
 
 
@@ -59,9 +60,14 @@ class ForwardOutput:
     hidden_layers: tuple[int, ...] = ()
     stacked_hidden: torch.Tensor | None = None
     bounds: list[int] = field(default_factory=lambda: [0])
+    # The logits rows' argmax and finiteness, where the LM head found them (the fused path).
+    greedy: GreedyRows | None = None
 
     def rows(self, b: int) -> torch.Tensor:
         return self.logits[self.offsets[b] : self.offsets[b + 1]]
+
+    def greedy_rows(self, b: int) -> GreedyRows | None:
+        return None if self.greedy is None else self.greedy[self.offsets[b] : self.offsets[b + 1]]
 
     @functools.cached_property
     def flat_hidden(self) -> dict[int, torch.Tensor]:
@@ -128,6 +134,11 @@ def _pack_calls(inputs: list[SeqInput], budget: int) -> list[list[tuple[int, Seq
             room -= take
             a += take
     return calls
+
+
+# The most logits rows a forward finds the argmax of with its LM head (GreedyRows): a batch's
+# verification rows; a prompt's logprobs ask for more and need none.
+GREEDY_ROWS = 256
 
 
 class ModelRunner:
@@ -218,15 +229,21 @@ class ModelRunner:
         flat = x.reshape(B * T, -1)
         if L in hidden_layers:
             hidden[L] = unpadded(model.norm(x))
-        return ForwardOutput(self._logits(flat, rows), offsets, *_stacked(hidden), _bounds(lens))
+        return ForwardOutput(self._logits(flat, rows)[0], offsets, *_stacked(hidden), _bounds(lens))
 
-    def _logits(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Logits of the rows of x the inputs asked for ([0, V] when none did: a prompt chunk)."""
+    def _logits(self, x: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, GreedyRows | None]:
+        """Logits of the rows of x the inputs asked for ([0, V] when none did: a prompt chunk),
+        and on the fused path, for up to GREEDY_ROWS of them, their argmax and finiteness from
+        the same call (a prompt's logprobs ask for more rows, and need neither)."""
         if not rows:
-            return torch.empty(0, self.model.cfg.vocab_size, device=x.device)
+            return torch.empty(0, self.model.cfg.vocab_size, device=x.device), None
         selected = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, dtype=torch.long, device=x.device)]
         # One function for every forward's logits: with the fused decoder, its native norm + head.
-        return (self.fused.logits if self.fused is not None else self.model.logits)(selected)
+        if self.fused is None:
+            return self.model.logits(selected), None
+        if len(rows) <= GREEDY_ROWS:
+            return self.fused.logits_and_argmax(selected)
+        return self.fused.logits(selected), None
 
     def _forward_fused(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
         """Chains and trees through the fused kernels (see fused.py), packed into as few native
@@ -238,12 +255,14 @@ class ModelRunner:
         if sum(len(i.token_ids) for i in inputs) <= FUSED_ROW_BUDGET:
             return self._fused_call(inputs, hidden_layers)
         logits: list[list[torch.Tensor]] = [[] for _ in inputs]
+        greedy: list[list[GreedyRows | None]] = [[] for _ in inputs]
         outs = []
         for call in _pack_calls(inputs, FUSED_ROW_BUDGET):
             out = self._fused_call([piece for _, piece in call], hidden_layers)
             outs.append(out)
             for j, (b, _) in enumerate(call):
                 logits[b].append(out.rows(j))
+                greedy[b].append(out.greedy_rows(j))
         offsets = [0]
         for rows in logits:
             offsets.append(offsets[-1] + sum(r.shape[0] for r in rows))
@@ -251,7 +270,8 @@ class ModelRunner:
         # next call), so their rows one after another are every sequence's in order.
         stacked = torch.cat([o.stacked_hidden for o in outs], dim=1) if outs[0].stacked_hidden is not None else None
         return ForwardOutput(torch.cat([r for rows in logits for r in rows]), offsets, outs[0].hidden_layers,
-                             stacked, _bounds([len(i.token_ids) for i in inputs]))
+                             stacked, _bounds([len(i.token_ids) for i in inputs]),
+                             GreedyRows.cat([g for parts in greedy for g in parts]))
 
     def _fused_call(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
         """One native call over flat rows, one attention per token."""
@@ -292,7 +312,8 @@ class ModelRunner:
         L = model.cfg.num_layers
         if L in layers:
             stacked[layers.index(L)] = model.norm(x)
-        return ForwardOutput(self._logits(x, rows), offsets, layers, stacked, bounds)
+        logits, greedy = self._logits(x, rows)
+        return ForwardOutput(logits, offsets, layers, stacked, bounds, greedy)
 
     def _plan(self, inputs: list[SeqInput], starts: list[int], T: int, token_by_token: bool):
         cache, device = self.cache, self.device

@@ -17,7 +17,7 @@ import torch
 
 from tandem.config import SamplingParams
 from tandem.sampling import NonFiniteLogitsError, all_finite, processed_probs, row_argmax, sample, shifted
-from tandem.types import Draft
+from tandem.types import Draft, GreedyRows
 from tandem.verify.chain import verify_chain
 from tandem.verify.paths import tree_paths
 from tandem.verify.tree import verify_tree
@@ -31,6 +31,7 @@ def grade_round(
     generator: torch.Generator | None,
     num_prompt_tokens: int | None = None,
     shift: torch.Tensor | None = None,
+    greedy: GreedyRows | None = None,
 ) -> tuple[list[int], list[int]]:
     """Grade one request's round.
 
@@ -44,15 +45,17 @@ def grade_round(
     generator: the request's generator (greedy requests without a penalty draw nothing).
     shift: [n + 1, V] added to each row's logits first (sampling.shifted: a structured output's
         refused tokens at -inf, the logit bias; None: nothing).
+    greedy: the rows' argmax and finiteness where the forward found them (the fused path's LM
+        head), for greedy grading without a shift; None: read from the rows.
 
     Returns (committed tokens: the accepted drafts then the recovered/bonus token, accepted
     draft nodes root first: a chain's are 0..accepted-1). Raises NonFiniteLogitsError when a row
     in use holds NaN or inf.
     """
     if not draft.token_ids:
-        return [sample_plain(logits, params, context, generator, num_prompt_tokens, shift)], []
+        return [sample_plain(logits, params, context, generator, num_prompt_tokens, shift, greedy)], []
     if params.greedy and not params.penalized and not draft.is_tree:
-        return grade_greedy_chain(logits, draft.token_ids, shift)
+        return grade_greedy_chain(logits, draft.token_ids, shift, greedy)
     probs = target_probs(logits, draft, params, context, num_prompt_tokens, shift)
     if draft.is_tree:
         if draft.probs is not None:
@@ -72,16 +75,23 @@ def grade_round(
 
 
 def grade_greedy_chain(logits: torch.Tensor, drafted: Sequence[int],
-                       shift: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
+                       shift: torch.Tensor | None = None,
+                       greedy: GreedyRows | None = None) -> tuple[list[int], list[int]]:
     """The greedy chain rule without building p: accept d_i while it is the argmax of row i - 1
     (ties: the first index, as the one-hot p of processed_probs), then commit the argmax of the
     next row (of its shifted logits, with a structured output or a logit bias). The same tokens verify_chain
     commits for greedy rows, at a fraction of the cost (no [n + 1, V] probability rows). Raises
     NonFiniteLogitsError on NaN or inf in any row."""
-    rows = logits[: len(drafted) + 1]
-    if not all_finite(rows):
-        raise NonFiniteLogitsError("the model produced NaN or inf logits")
-    best = row_argmax(shifted(rows, None if shift is None else shift[: len(drafted) + 1])).tolist()
+    n = len(drafted) + 1
+    if greedy is not None and shift is None:  # found by the LM head: the rows need not be read again
+        if not bool(greedy.finite[:n].all()):
+            raise NonFiniteLogitsError("the model produced NaN or inf logits")
+        best = greedy.argmax[:n].tolist()
+    else:
+        rows = logits[:n]
+        if not all_finite(rows):
+            raise NonFiniteLogitsError("the model produced NaN or inf logits")
+        best = row_argmax(shifted(rows, None if shift is None else shift[:n])).tolist()
     accepted = 0
     while accepted < len(drafted) and drafted[accepted] == best[accepted]:
         accepted += 1
@@ -90,13 +100,17 @@ def grade_greedy_chain(logits: torch.Tensor, drafted: Sequence[int],
 
 def sample_plain(
     logits: torch.Tensor, params: SamplingParams, context: Sequence[int], generator: torch.Generator | None,
-    num_prompt_tokens: int | None = None, shift: torch.Tensor | None = None,
+    num_prompt_tokens: int | None = None, shift: torch.Tensor | None = None, greedy: GreedyRows | None = None,
 ) -> int:
     """Plain decoding's token from the last row of logits [N, V]: the argmax under greedy without
     a penalty (no draw), else one draw from the processed distribution (context and
     num_prompt_tokens as grade_round's; shift: [1, V] or [N, V], whose last row is added to the
     last logits row first)."""
     mask = None if shift is None else shift[-1:]
+    if params.greedy and not params.penalized and greedy is not None and mask is None:
+        if not bool(greedy.finite[-1]):
+            raise NonFiniteLogitsError("the model produced NaN or inf logits")
+        return int(greedy.argmax[-1])
     if params.greedy and not params.penalized:
         if not all_finite(logits[-1]):
             raise NonFiniteLogitsError("the model produced NaN or inf logits")

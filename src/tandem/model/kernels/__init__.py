@@ -307,6 +307,9 @@ class BlockKernels:
         self._decoder = lib.tandem_decoder_forward
         self._draft_layer = lib.tandem_draft_layer
         self._draft_chain = lib.tandem_draft_chain
+        self._linear_argmax = lib.tandem_linear_argmax
+        self._linear_argmax.argtypes = [ctypes.POINTER(_LinearCall), ctypes.c_void_p, ctypes.c_void_p]
+        self._linear_argmax.restype = None
         self._peak = lib.tandem_int8_peak
         self._peak.argtypes = [ctypes.c_int64, ctypes.c_int]
         self._peak.restype = ctypes.c_int64
@@ -357,6 +360,24 @@ class BlockKernels:
                            _ptr(residual), _ptr(y), torch.get_num_threads())
         self._linear(ctypes.byref(call))
         return y
+
+    def linear_argmax(self, x: torch.Tensor, w: BlockWeights, *, transform: int = IDENTITY,
+                      norm_weight: torch.Tensor | None = None, eps: float = 0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`linear`, and of each output row its argmax (the first index of the largest value, as
+        numpy's) and whether it is all finite: (y [n, N], argmax [n] int64, finite [n] bool),
+        found by the threads that wrote each row's columns while they are in cache."""
+        n, width = x.shape
+        expected = 2 * w.in_features if transform in (SWIGLU, GEGLU) else w.in_features
+        if width != expected:
+            raise ValueError(f"input rows have width {width}, the layer needs {expected}")
+        y = torch.empty(n, w.out_features, dtype=torch.float32)
+        best = torch.empty(n, dtype=torch.int64)
+        finite = torch.empty(n, dtype=torch.int32)
+        call = _LinearCall(ctypes.pointer(w.record), _ptr(x), n, width, transform, _ptr(norm_weight), eps,
+                           None, _ptr(y), torch.get_num_threads())
+        self._linear_argmax(ctypes.byref(call), _ptr(best), _ptr(finite))
+        return y, best, finite.bool()
 
     def attend(self, qkv: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, window: int | None,

@@ -527,6 +527,90 @@ void linear(const LinearCall& c, LinearScratch& s) {
   else packed_matmul<false>(c, *xq);
 }
 
+// ---- the greedy token of each output row ---------------------------------------------------
+
+// Per thread and row: the largest value the thread saw, its first index, and whether everything
+// it saw was finite. A row's winner is the largest value with the smallest index, whichever
+// thread saw it, so the result does not depend on how the columns were split.
+struct ArgmaxParts {
+  int64_t n, threads;
+  std::vector<float> value;
+  std::vector<int64_t> index;
+  std::vector<int32_t> finite;
+
+  ArgmaxParts(int64_t rows, int64_t team)
+      : n(rows), threads(team), value(rows * team, -INFINITY), index(rows * team, INT64_MAX), finite(rows * team, 1) {}
+
+  void combine(int64_t* best, int32_t* all_finite) const {
+    for (int64_t i = 0; i < n; ++i) {
+      float v = -INFINITY;
+      int64_t at = INT64_MAX;
+      int32_t ok = 1;
+      for (int64_t t = 0; t < threads; ++t) {
+        const int64_t k = t * n + i;
+        ok &= finite[k];
+        if (index[k] != INT64_MAX && (value[k] > v || (value[k] == v && index[k] < at))) {
+          v = value[k];
+          at = index[k];
+        }
+      }
+      best[i] = at == INT64_MAX ? 0 : at;
+      all_finite[i] = ok;
+    }
+  }
+};
+
+// Called by every thread after the linear that wrote y [n, N]: each thread scans a contiguous
+// share of the columns (the static split the GEMM's groups get, so they are mostly still in its
+// cache), 8 at a time: each lane keeps its largest value and that value's first column, a NaN
+// or an infinity marks the row.
+void output_argmax(const float* y, int64_t n, int64_t N, ArgmaxParts& parts) {
+  const int64_t groups = (N + kLanes - 1) / kLanes;
+  const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+  const int64_t per = groups / threads, extra = groups % threads;
+  const int64_t g0 = t * per + std::min(t, extra), g1 = g0 + per + (t < extra ? 1 : 0);
+  const int64_t begin = g0 * kLanes, end = std::min(g1 * kLanes, N);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), inf = _mm256_set1_ps(INFINITY);
+  const __m256i step = _mm256_set1_epi32(8);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = y + i * N;
+    __m256 top = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    __m256i at = _mm256_set1_epi32(INT32_MAX), col = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(begin)),
+                                                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    int64_t c = begin;
+    for (; c + 8 <= end; c += 8, col = _mm256_add_epi32(col, step)) {
+      const __m256 v = _mm256_loadu_ps(row + c);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(v, abs_mask), inf, _CMP_NLT_UQ));  // NaN or inf
+      const __m256 greater = _mm256_cmp_ps(v, top, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
+      top = _mm256_blendv_ps(top, v, greater);
+      at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(col), greater));
+    }
+    alignas(32) float values[8];
+    alignas(32) int32_t columns[8];
+    _mm256_store_ps(values, top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(columns), at);
+    float value = -INFINITY;
+    int64_t index = INT64_MAX;
+    bool finite = _mm256_movemask_ps(bad) == 0;
+    for (int l = 0; l < 8; ++l) {
+      if (columns[l] != INT32_MAX && (values[l] > value || (values[l] == value && columns[l] < index))) {
+        value = values[l];
+        index = columns[l];
+      }
+    }
+    for (; c < end; ++c) {  // the last few columns
+      if (!std::isfinite(row[c])) finite = false;
+      else if (row[c] > value || (row[c] == value && c < index)) {
+        value = row[c];
+        index = c;
+      }
+    }
+    parts.value[t * n + i] = value;
+    parts.index[t * n + i] = index;
+    parts.finite[t * n + i] = finite;
+  }
+}
+
 // ---- attention --------------------------------------------------------------------------------
 
 // One query token per call row: RoPE on its q and k, k/v written to the cache, attention over
@@ -1348,6 +1432,19 @@ void tandem_linear(const LinearCall* c) {
   s.size_for(c->n, c->w->K);
 #pragma omp parallel num_threads(c->threads)
   linear(*c, s);
+}
+// tandem_linear, and of each output row the first index of its largest value (numpy's argmax)
+// and whether every value is finite, read by the threads that wrote the row's columns.
+void tandem_linear_argmax(const LinearCall* c, int64_t* best, int32_t* finite) {
+  LinearScratch s;
+  s.size_for(c->n, c->w->K);
+  ArgmaxParts parts(c->n, c->threads);
+#pragma omp parallel num_threads(c->threads)
+  {
+    linear(*c, s);
+    output_argmax(c->y, c->n, c->w->N, parts);
+  }
+  parts.combine(best, finite);
 }
 void tandem_attend(const AttendArgs* a) {
 #pragma omp parallel num_threads(a->threads)
