@@ -315,3 +315,105 @@ def test_bad_structured_outputs_are_a_400(server, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["message"] and (param is None or err["param"] == param)
+
+
+# ---- tool calls: the arguments held to the tool's schema ------------------------------------------
+
+
+class ChatCharTokenizer(CharTokenizer):
+    """CharTokenizer with a chat template: each message as "role: content |" (the vocabulary has
+    no newline), the tools' names first when there are any."""
+
+    chat_template = "toy"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tools=None):
+        parts = [f"tools: {' '.join(t['function']['name'] for t in tools)}"] if tools else []
+        parts += [f"{m['role']}: {m['content']}" for m in messages]
+        return self.encode(" | ".join(parts) + (" | assistant: " if add_generation_prompt else ""))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "maximum": 999}, "b": {"type": "integer", "maximum": 999}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def chat_server():
+    from tandem.engine.engine import Engine
+    from tandem.launch_server import serve_in_background
+    from tandem.server.app import build_app
+    from tandem.server.async_engine import AsyncEngine
+    from tandem.server.metrics import ServerMetrics
+
+    loaded = dataclasses.replace(tiny_loaded("llama")[1], tokenizer=ChatCharTokenizer())
+    engine = Engine(loaded, EngineConfig(max_model_len=256, max_num_seqs=4,
+                                         spec=SpecConfig(algorithm="suffix", num_draft_tokens=4)))
+    running = serve_in_background(build_app(AsyncEngine(engine, 16, ServerMetrics("tiny")), "tiny"))
+    yield running, loaded
+    running.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_call_holds_its_arguments_to_the_schema(chat_server, stream):
+    import openai
+
+    server, loaded = chat_server
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=60, temperature=0, tools=[WEATHER, ADD],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        calls = [c for ch in chunks if ch.choices and ch.choices[0].delta.tool_calls for c in ch.choices[0].delta.tool_calls]
+        reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason][0]
+        assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)  # no text besides the call
+    else:
+        r = client.chat.completions.create(**kw)
+        calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert r.choices[0].message.content is None
+    assert reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert set(json.loads(calls[0].function.arguments)) == {"city"}
+    # The arguments are what plain decoding under the tool's schema writes from the same prompt.
+    prompt = ChatCharTokenizer().apply_chat_template(messages, tools=[WEATHER, ADD])
+    compact = {**WEATHER["function"]["parameters"], "x-guidance": {"whitespace_flexible": False}}
+    want = LLM.from_loaded(loaded, EngineConfig(max_model_len=256)).generate(prompt, SamplingParams(
+        temperature=0, max_tokens=60, structured_output=StructuredOutput.json_schema(compact)))
+    assert calls[0].function.arguments == want[0].text
+
+
+def test_a_required_tool_call_names_one_of_the_tools(chat_server):
+    import openai
+
+    server, _ = chat_server
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1 + 2?"}], max_tokens=80,
+                                       temperature=0, tools=[WEATHER, ADD], tool_choice="required")
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_weather", "add")
+    schema = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]["parameters"]
+    assert set(json.loads(call.function.arguments)) == set(schema["required"])
+    # auto (the default with tools) and none answer in text
+    for choice in ("auto", "none"):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1 + 2?"}], max_tokens=8,
+                                           temperature=0, tools=[WEATHER, ADD], tool_choice=choice)
+        assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, None),
+    ({"tool_choice": "required"}, None),
+    ({"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}}, None),
+    ({"tools": [{"type": "retrieval"}]}, None),
+    ({"functions": [{"name": "f"}]}, None),
+])
+def test_bad_tool_requests_are_a_400(chat_server, extra, param):
+    import httpx
+
+    server, _ = chat_server
+    r = httpx.post(server.url + "/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] and (param is None or r.json()["error"]["param"] == param)

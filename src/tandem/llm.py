@@ -26,10 +26,12 @@ def configure_threads(threads: int | None) -> int:
     return n
 
 
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Messages -> token ids through the tokenizer's chat template, ready for the assistant's turn
-    (transformers returns a list or, in some versions, a dict holding input_ids)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Messages (and tools, for a template that renders them) -> token ids through the
+    tokenizer's chat template, ready for the assistant's turn (transformers returns a list or, in
+    some versions, a dict holding input_ids)."""
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

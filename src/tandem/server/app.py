@@ -46,10 +46,14 @@ from tandem.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     Provenance,
     RoundAcceptance,
     SamplingFields,
     TokenPiece,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallFunction,
     Usage,
     error_payload,
 )
@@ -249,10 +253,14 @@ async def _encode_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list
     tok = ctx.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise APIError(400, f"{ctx.model_name} has no chat template; use /v1/completions", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [{"role": m.role, "content": m.text(),
+                 **{k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
+                    if v is not None}}
+                for m in body.messages]
     ctx.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
-        return await ctx.tokenize(lambda: chat_token_ids(tok, messages))
+        return await ctx.tokenize(lambda: chat_token_ids(tok, messages, tools))
     except Exception as err:  # jinja raises for conversations a template rejects (role order ...)
         raise APIError(400, f"the chat template rejected these messages: {err}", param="messages") from err
 
@@ -261,6 +269,8 @@ async def _structured_output(ctx: ServingContext, body: SamplingFields) -> Struc
     """The request's structured output, compiled once on the tokenizer thread: an invalid one is
     a 400 naming the field it came from."""
     param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+    if getattr(body, "calls_tool", False) and body.structured_outputs is None and body.response_format is None:
+        param = "tool_choice"
     try:
         spec = body.structured_output()
         if spec is not None:
@@ -366,7 +376,8 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     echo = await Echo.of(ctx, body, prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = (_stream_chat(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance) if chat else
+        events = (_stream_chat(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance,
+                               body if chat and body.calls_tool else None) if chat else
                   _stream_completion(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance, echo))
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     texts, outputs, provenance = await _drain(gen, request, body.return_provenance)
@@ -379,10 +390,13 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     model = ctx.model_name
     entries = {i: d.output.logprobs for i, d in outputs.items()} if body.logprobs_count is not None else {}
     if chat:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=texts[i]), finish_reason=outputs[i].finish_reason,
-                              provenance=provenance.get(i),
-                              logprobs=await ctx.chat_logprobs(entries[i]) if entries else None)
-                   for i in sorted(texts)]
+        choices = []
+        for i in sorted(texts):
+            message, reason = AssistantMessage(content=texts[i]), outputs[i].finish_reason
+            if body.calls_tool:
+                message, reason = _tool_call_message(body, texts[i], reason)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=reason, provenance=provenance.get(i),
+                                      logprobs=await ctx.chat_logprobs(entries[i]) if entries else None))
         return ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
     choices = []
     for i in sorted(texts):
@@ -396,6 +410,24 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
         choices.append(CompletionChoice(index=i, text=text, finish_reason=reason, provenance=provenance.get(i),
                                         logprobs=logprobs))
     return CompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
+
+
+def _tool_call_message(body: ChatCompletionRequest, text: str, reason: str | None) -> tuple[AssistantMessage, str | None]:
+    """An answer held to a tool call's schema (ChatCompletionRequest.tool_call_output) as
+    OpenAI's assistant message with one tool call, finish_reason tool_calls. An answer that
+    max_tokens cut short is not a call: it stays the message's content, finish_reason length."""
+    if reason != "stop":
+        return AssistantMessage(content=text), reason
+    if isinstance(body.tool_choice, NamedToolChoice):
+        name, arguments = body.tool_choice.function.name, text
+    else:
+        try:
+            call = json.loads(text)
+            name, arguments = call["name"], json.dumps(call["arguments"])
+        except (ValueError, KeyError, TypeError):  # a stop string cut the call short
+            return AssistantMessage(content=text), reason
+    tool_call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=arguments))
+    return AssistantMessage(content=None, tool_calls=[tool_call]), "tool_calls"
 
 
 async def _completion_logprobs(ctx: ServingContext, echo: Echo | None, choice: int,
@@ -507,8 +539,11 @@ async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: i
 
 
 async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool,
-                       provenance: bool) -> AsyncIterator[str]:
+                       provenance: bool, tool_call: ChatCompletionRequest | None) -> AsyncIterator[str]:
+    """Chat chunks; with tool_call (the request whose answer is a call) the answer is held back
+    and sent whole as the call's one tool_calls delta when it ends (its logprobs as they come)."""
     finals: dict[int, Delta] = {}
+    held = [""] * len(gen.choices)
 
     def chunk(choices, **kw):
         return _sse(ChatCompletionChunk(id=api_id, model=ctx.model_name, choices=choices, **kw))
@@ -519,14 +554,24 @@ async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, in
         async for index, delta in gen:
             if delta.error:
                 yield _error_event(delta)
-            if delta.text or delta.logprobs or (provenance and delta.round is not None):
+            text = delta.text
+            if tool_call is not None:
+                held[index] += text
+                text = ""
+            if text or delta.logprobs or (provenance and delta.round is not None):
                 logprobs = await ctx.chat_logprobs(delta.logprobs) if delta.logprobs else None
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=delta.text),
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
                                              provenance=_provenance(delta) if provenance else None,
                                              logprobs=logprobs)])
             if delta.finish_reason is not None:
                 finals[index] = delta
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=delta.finish_reason)])
+                reason = delta.finish_reason
+                if tool_call is not None and not delta.error:
+                    message, reason = _tool_call_message(tool_call, held[index], reason)
+                    calls = [ToolCallDelta(index=0, **c.model_dump()) for c in message.tool_calls or ()]
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=message.content,
+                                                                              tool_calls=calls or None))])
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)])
         if include_usage:
             usage, spec = _usage(prompt_tokens, finals)
             yield chunk([], usage=usage, spec=spec)

@@ -25,9 +25,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 UNSUPPORTED = {
     "echo": "echo (on /v1/completions only)",
     "suffix": "suffix (insertion)",
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
+    "functions": "the legacy function calling (use tools)",
+    "function_call": "the legacy function calling (use tool_choice)",
 }
 
 
@@ -230,6 +229,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant turn's calls and a tool turn's answer, handed to the chat template as sent.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _check_content(self):
@@ -244,17 +246,82 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (default: any object)")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = Field(False, description="each output token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: this many most likely alternatives per token")
+    tools: list[Tool] | None = Field(None, description="functions the model may call (the chat template renders "
+                                                         "them where it can)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="required or a named function: the answer is a call, its arguments held to the "
+                          "function's schema; auto (the default with tools) and none: the answer is text")
+    parallel_tool_calls: bool | None = Field(None, description="accepted; an answer makes one call")
 
     @model_validator(mode="after")
     def _check_top_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice not in (None, "none", "auto"):
+            names = [t.function.name for t in self.tools or ()]
+            if not names:
+                raise ValueError("tool_choice needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the "
+                                 f"tools ({', '.join(names)})")
         return self
+
+    @property
+    def calls_tool(self) -> bool:
+        """Whether the answer is a tool call (tool_choice required or a named function)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def tool_call_output(self) -> StructuredOutput | None:
+        """What a tool call's answer must match: a named function's arguments (its parameters'
+        schema), or under required {"name": one of the tools, "arguments": its arguments}; as
+        compact JSON (no whitespace between tokens of the JSON: arguments are read by programs,
+        and a small model may otherwise pad them with spaces until max_tokens)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
+            schema = tool.function.parameters or {"type": "object"}
+        elif self.tool_choice == "required":
+            schema = {"anyOf": [
+                {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                 "properties": {"name": {"const": t.function.name},
+                                "arguments": t.function.parameters or {"type": "object"}}}
+                for t in self.tools]}
+        else:
+            return None
+        return StructuredOutput.json_schema({**schema, "x-guidance": {"whitespace_flexible": False}})
+
+    def structured_output(self) -> StructuredOutput | None:
+        spec = super().structured_output()
+        call = self.tool_call_output()
+        if spec is not None and call is not None:
+            raise ValueError("a tool call's arguments follow the tool's schema: give response_format or "
+                             "structured_outputs, or tool_choice, not both")
+        return call or spec
 
     @property
     def logprobs_count(self) -> int | None:
@@ -339,9 +406,32 @@ class CompletionResponse(BaseModel):
     spec: dict[str, Any] | None = Field(None, description="speculation stats of this request (tandem extension)")
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = Field(..., description="the arguments, JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class TopLogprob(BaseModel):
@@ -378,6 +468,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChunkChoice(ProvenanceChoice):
