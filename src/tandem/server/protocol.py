@@ -10,7 +10,7 @@ the target) and each round's acceptance; without it no choice carries the field.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -364,18 +364,28 @@ class Provenance(BaseModel):
     rounds: list[RoundAcceptance]
 
 
-class ProvenanceChoice(BaseModel):
+class LeavesOutAbsent(BaseModel):
+    """A response part whose fields named in OMITTED are left out when None (not sent as null),
+    so a response shows them only where they apply."""
+
+    OMITTED: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_absent(self, handler):
+        data = handler(self)
+        for name in self.OMITTED:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+class ProvenanceChoice(LeavesOutAbsent):
     """A choice that carries `provenance` only when the request asked for it (return_provenance):
     otherwise the field is left out, so the OpenAI schema is unchanged."""
 
-    provenance: Provenance | None = Field(None, description="extension: see return_provenance")
+    OMITTED: ClassVar[tuple[str, ...]] = ("provenance",)
 
-    @model_serializer(mode="wrap")
-    def _without_absent_provenance(self, handler):
-        data = handler(self)
-        if data.get("provenance") is None:
-            data.pop("provenance", None)
-        return data
+    provenance: Provenance | None = Field(None, description="extension: see return_provenance")
 
 
 class CompletionLogprobs(BaseModel):
@@ -421,17 +431,12 @@ class ToolCallDelta(ToolCall):
     index: int
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(LeavesOutAbsent):
+    OMITTED: ClassVar[tuple[str, ...]] = ("tool_calls",)
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_absent_tool_calls(self, handler):
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
 
 
 class TopLogprob(BaseModel):
@@ -465,17 +470,12 @@ class ChatCompletionResponse(BaseModel):
     spec: dict[str, Any] | None = None
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(LeavesOutAbsent):
+    OMITTED: ClassVar[tuple[str, ...]] = ("tool_calls",)
+
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_absent_tool_calls(self, handler):
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
 
 
 class ChatChunkChoice(ProvenanceChoice):
