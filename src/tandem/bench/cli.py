@@ -75,6 +75,8 @@ def _add_spec_parser(kinds) -> None:
                            "auto (a smaller built-in model with the same tokenizer) or none")
     spec.add_argument("--threads", type=int, default=None)
     spec.add_argument("--skip-transformers", action="store_true")
+    spec.add_argument("--json-object", action="store_true",
+                      help="every answer must be a JSON object (structured output; with --skip-transformers)")
     spec.add_argument("--json", default="results/bench_spec.json", help="report path ('' to skip)")
     spec.add_argument("--plots", default="results/bench_spec", help="directory for the PNG plots ('' to skip)")
     spec.add_argument("--note", default="", help="what this run was (kept in the report, shown on the results page)")

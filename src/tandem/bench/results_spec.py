@@ -54,6 +54,8 @@ def _spec_words(data: dict, subtasks: list[str] | None, json_path: str, plots: s
         assisted = hf.get("assisted") or {}
         if assisted.get("applicable") and assisted.get("model"):
             words += ["--hf-assistant", str(assisted["model"])]
+    if data.get("structured_output") == "json_object":
+        words.append("--json-object")
     machine = data.get("machine") or {}
     if machine.get("torch_threads") and machine.get("cores") and machine["torch_threads"] != machine["cores"]:
         words += ["--threads", str(machine["torch_threads"])]

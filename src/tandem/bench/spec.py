@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from tandem.bench.draft_profile import DraftProfile, ProbedDrafter
 from tandem.bench.kernel_report import ISA_FLAGS
-from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.config import EngineConfig, SamplingParams, SpecConfig, StructuredOutput
 from tandem.drafters import TargetInfo, available_drafters, create_drafter
 from tandem.llm import LLM
 from tandem.model.kernels import cpu_flags, cpu_model, cpu_name, kernel_description
@@ -214,7 +214,7 @@ class Baselines(Protocol):
 
 
 def _tandem_config(name: str, loaded, method: Method | None, num_draft_tokens: int, max_model_len: int,
-                   temperature: float) -> RunConfig:
+                   temperature: float, structured_output: StructuredOutput | None = None) -> RunConfig:
     spec = SpecConfig(num_draft_tokens=num_draft_tokens) if method is None else method.spec_config(num_draft_tokens)
     config = EngineConfig(model=loaded.name, max_model_len=max_model_len, max_num_seqs=1, spec=spec)
     # The scheduler prices rounds on the measured (cached) cost curve.
@@ -225,7 +225,7 @@ def _tandem_config(name: str, loaded, method: Method | None, num_draft_tokens: i
         probe = llm.engine.drafter = ProbedDrafter(llm.engine.drafter)
 
     def run(prompt_ids: list[int], max_new: int, seed: int) -> Run:
-        params = SamplingParams(temperature=temperature, max_tokens=max_new, seed=seed)
+        params = SamplingParams(temperature=temperature, max_tokens=max_new, seed=seed, structured_output=structured_output)
         if probe is not None:
             probe.profile = DraftProfile()
         t = time.perf_counter()
@@ -251,19 +251,22 @@ def run_spec_bench(
     baselines: Baselines | None = None,
     warmup_ids: list[int] | None = None,
     progress: bool = True,
+    structured_output: StructuredOutput | None = None,
 ) -> dict:
     """Run every configuration on every case (interleaved per case) and return the report.
 
     `loaded` is a LoadedModel shared by all tandem configurations (weights loaded once). Prompt i
     uses seed `seed + i` in every configuration. `warmup_ids` (default: the first case's prompt)
     warms each configuration once with a few tokens before timing; it should not be a measured
-    prompt, since suffix decoding keeps earlier outputs in its global trie.
+    prompt, since suffix decoding keeps earlier outputs in its global trie. structured_output:
+    what every tandem answer must match (None: anything).
     """
     if not cases:
         raise ValueError("no prompts to benchmark")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    configs = _tandem_configs(loaded, cases, methods, num_draft_tokens, max_new_tokens, temperature, warmup_ids)
+    configs = _tandem_configs(loaded, cases, methods, num_draft_tokens, max_new_tokens, temperature, warmup_ids,
+                              structured_output)
     hf_configs = baselines.configs(temperature) if baselines else []
 
     warm = warmup_ids or cases[0].prompt_ids
@@ -293,13 +296,15 @@ def run_spec_bench(
 
 
 def _tandem_configs(loaded, cases: list[SpecCase], methods: list[Method], num_draft_tokens: int, max_new_tokens: int,
-                    temperature: float, warmup_ids: list[int] | None) -> list[RunConfig]:
+                    temperature: float, warmup_ids: list[int] | None,
+                    structured_output: StructuredOutput | None) -> list[RunConfig]:
     """Plain decoding, then every method, on the shared weights with a context that fits every case."""
     ks = [num_draft_tokens] + [m.num_draft_tokens for m in methods if m.num_draft_tokens]
     longest = max(len(c.prompt_ids) for c in cases + ([SpecCase("", warmup_ids)] if warmup_ids else []))
     max_model_len = max(2048, longest + max_new_tokens + max(ks) + 2)
-    configs = [_tandem_config(PLAIN, loaded, None, num_draft_tokens, max_model_len, temperature)]
-    configs += [_tandem_config(m.label, loaded, m, num_draft_tokens, max_model_len, temperature) for m in methods]
+    configs = [_tandem_config(PLAIN, loaded, None, num_draft_tokens, max_model_len, temperature, structured_output)]
+    configs += [_tandem_config(m.label, loaded, m, num_draft_tokens, max_model_len, temperature, structured_output)
+                for m in methods]
     return configs
 
 

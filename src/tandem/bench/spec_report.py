@@ -11,7 +11,7 @@ from tandem.bench.plots import plot_spec_report
 from tandem.bench.prompts import spec_bench_prompts
 from tandem.bench.spec import OVERALL, PLAIN, WARMUP_TEXT, SpecCase, default_methods, parse_methods, run_spec_bench
 from tandem.bench.spec_hf import Baselines, load_transformers, pick_assistant
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, StructuredOutput
 from tandem.llm import LLM
 from tandem.model.cost import forward_cost_curve
 from tandem.model.loader import load_model
@@ -22,6 +22,9 @@ def bench_spec(args) -> dict:
         raise ValueError(f"--limit must be >= 1 (prompts per subtask), got {args.limit}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.json_object and not args.skip_transformers:
+        raise ValueError("--json-object holds tandem's answers to a JSON object; transformers' are not: add "
+                         "--skip-transformers")
     methods = parse_methods(args.methods) if args.methods else None
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
@@ -57,11 +60,14 @@ def bench_spec(args) -> dict:
             loaded, cases, methods=methods, num_draft_tokens=args.num_draft_tokens,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
             baselines=baselines, warmup_ids=warmup_ids,
+            structured_output=StructuredOutput(json_object=True) if args.json_object else None,
         )
     finally:
         engine_log.setLevel(level)
     report["cost_curve"] = forward_cost_curve(loaded)
     report["limit_per_subtask"] = args.limit
+    if args.json_object:
+        report["structured_output"] = "json_object"
     report["skipped_methods"] = skipped
     report["wall_seconds"] = round(time.perf_counter() - t0, 1)
     if args.note:
