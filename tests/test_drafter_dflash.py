@@ -209,18 +209,18 @@ def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_on
     from tandem.drafters.calibration import shifted
 
     llm = make_llm("dspark", saved("dspark"), k=3)
-    assert not llm.engine.drafter.lookup.confidences  # other policies do not read them
+    assert llm.engine.drafter.lookup.suffix.confidence is None  # other policies do not read them
     spec = dataclasses.replace(llm.engine.config.spec, policy="confidence")
     eng = Engine(llm.loaded, dataclasses.replace(llm.engine.config, spec=spec), cost_curve=CostCurve((1, 64), (1.0, 1.0)))
     drafter, lookup = eng.drafter, eng.drafter.lookup
     expected, proposed = {}, []
-    suffix_propose, propose = lookup.suffix.propose, drafter.propose
+    suffix_lookup, propose = lookup.suffix.lookup, drafter.propose
 
     def recording_lookup(inputs):
-        drafts = suffix_propose(inputs)
+        drafts = suffix_lookup(inputs)
         for inp, d in zip(inputs, drafts):
             if d.token_ids:
-                conf = lookup.confidence
+                conf = lookup.suffix.confidence
                 offset = conf.calibration.offset.get(inp.request_id, conf.calibration.global_offset)
                 evidence = lookup.suffix.evidence[inp.request_id]
                 rates = [shifted(conf.rate(evidence, j), offset) for j in range(len(d))]
@@ -232,7 +232,7 @@ def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_on
         proposed.extend((inp.request_id, len(inp.token_ids), d) for inp, d in zip(batch, drafts))
         return drafts
 
-    lookup.suffix.propose, drafter.propose = recording_lookup, recording
+    lookup.suffix.lookup, drafter.propose = recording_lookup, recording
     reqs = [eng.add_request(ids, GREEDY) for ids in COPYING_PROMPTS]
     while eng.has_work():
         eng.step()
@@ -243,7 +243,7 @@ def test_under_the_confidence_scheduler_lookup_drafts_carry_how_often_earlier_on
             tokens, rates = expected[rid, n]
             assert draft.token_ids == tokens and draft.confidence == rates
             looked += 1
-    assert looked >= 3 and lookup.confidence.grades  # the lookup's drafts were graded
+    assert looked >= 3 and lookup.suffix.confidence.grades  # the lookup's drafts were graded
 
 
 def test_lookup_pass_rates_are_kept_by_evidence_and_start_at_one():
@@ -251,7 +251,7 @@ def test_lookup_pass_rates_are_kept_by_evidence_and_start_at_one():
     class), start at 1 and move only where a position was graded, so a position the scheduler
     has not yet admitted is still tried rather than kept out by a pessimistic start; one request
     that drafts badly is corrected on its own (docs/serving.md)."""
-    from tandem.drafters.lookup import LookupConfidence
+    from tandem.drafters.suffix import LookupConfidence
     from tandem.drafters.suffix import CORPUS_TRIE, OWN_TRIE
 
     conf = LookupConfidence()
@@ -286,11 +286,11 @@ def test_the_scheduler_hears_which_drafts_the_lookup_makes_before_drafting(saved
     eng = Engine(llm.loaded, dataclasses.replace(llm.engine.config, spec=spec), cost_curve=CostCurve((1, 64), (1.0, 1.0)))
     lookup, policy = eng.drafter.lookup, eng.policy
     asked, rounds, proposed = [], [], []
-    suffix_propose, draft_lengths, propose = lookup.suffix.propose, policy.draft_lengths, eng.drafter.propose
+    suffix_lookup, draft_lengths, propose = lookup.suffix.lookup, policy.draft_lengths, eng.drafter.propose
 
     def counting(inputs):
         asked.append(len(inputs))
-        return suffix_propose(inputs)
+        return suffix_lookup(inputs)
 
     def deciding(slots):
         rounds.append(list(slots))
@@ -301,7 +301,7 @@ def test_the_scheduler_hears_which_drafts_the_lookup_makes_before_drafting(saved
         proposed.extend(zip([i.request_id for i in batch], drafts))
         return drafts
 
-    lookup.suffix.propose, policy.draft_lengths, eng.drafter.propose = counting, deciding, recording
+    lookup.suffix.lookup, policy.draft_lengths, eng.drafter.propose = counting, deciding, recording
     reqs = [eng.add_request(ids, GREEDY) for ids in COPYING_PROMPTS]
     while eng.has_work():
         eng.step()

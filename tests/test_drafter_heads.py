@@ -313,15 +313,15 @@ def recorded_lookups(drafter) -> dict[tuple[str, int], list[int]]:
     """Records, from now on, every draft the drafter's suffix lookup proposes: (request id,
     context length) -> its tokens."""
     looked = {}
-    propose = drafter.lookup.suffix.propose
+    lookup = drafter.lookup.suffix.lookup
 
     def recording(inputs):
-        drafts = propose(inputs)
+        drafts = lookup(inputs)
         for inp, d in zip(inputs, drafts):
             looked[inp.request_id, len(inp.token_ids)] = d.token_ids
         return drafts
 
-    drafter.lookup.suffix.propose = recording
+    drafter.lookup.suffix.lookup = recording
     return looked
 
 

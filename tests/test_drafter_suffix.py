@@ -334,3 +334,44 @@ def test_a_remembered_most_frequent_continuation_is_forgotten_when_the_trie_chan
     trie.extend(own, [1, 2, 3, 1, 2, 3, 1, 2, 3, 0])  # 1 2 3 three times against 1 2 4 twice
     cursor, _ = trie.longest_match([7, 1, 2], 4)
     assert trie.draft(cursor, 1, 0.0)[0] == [3]
+
+
+# ---- confidences for the confidence scheduler ----------------------------------------------------
+
+
+def test_under_the_confidence_scheduler_drafts_carry_learnt_pass_rates():
+    """Every draft carries confidences (empty drafts an empty list): how often earlier drafts on
+    the same evidence passed, starting at 1 and learnt from the grades; other policies get none."""
+    spec = SpecConfig(algorithm="suffix", num_draft_tokens=4, policy="confidence")
+    d = SuffixDrafter(spec, TARGET)
+    ids = [5, 6, 7, 8] * 4
+    inp = DraftInput("r", ids, 0, 4, SamplingParams(), torch.Generator())
+    (draft,) = d.propose([inp])
+    assert draft.token_ids == [5, 6, 7, 8] and draft.confidence == [1.0] * 4
+    d.observe([DraftOutcome("r", 4, 1, [5, 9])])  # the first passed, the second did not
+    (again,) = d.propose([DraftInput("r", ids + [5, 9], 0, 4, SamplingParams(), torch.Generator())])
+    assert again.token_ids == [] and again.confidence == []  # nothing matches the new tail
+    assert set(d.confidence.grades.values()) == {(1, 1), (1, 0)}
+    d.release("r")
+    assert not d.confidence.drafted and d.confidence.calibration.offset == {}
+    assert make().propose([inp])[0].confidence is None
+
+
+def test_greedy_output_under_the_confidence_scheduler_equals_plain_decoding():
+    from conftest import tiny_loaded
+
+    from tandem.config import EngineConfig
+    from tandem.llm import LLM
+    from tandem.scheduler.cost_model import CostCurve
+
+    _, loaded = tiny_loaded()
+    prompts = [[5, 9, 14, 3, 7, 5, 9, 14, 3, 7], [11, 4, 4, 8, 11, 4, 4, 8, 11]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = [o.token_ids for o in LLM.from_loaded(loaded, EngineConfig(max_model_len=128)).generate(prompts, params)]
+    # rows nearly free at first, then dear: drafts are cut where their survivals stop paying
+    spec = SpecConfig(algorithm="suffix", num_draft_tokens=4, policy="confidence")
+    llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=128, spec=spec),
+                          cost_curve=CostCurve((1, 3, 12), (1.0, 1.05, 3.0)))
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.spec.num_accepted_tokens for o in outs) > 0  # drafts were admitted, and passed

@@ -35,7 +35,14 @@ def scheduler(curve: CostCurve, k: int = 4, verify_rows=padded_rows) -> Confiden
 
 
 def chain(*confidence: float) -> Draft:
+    """A deterministic chain (a lookup's, or argmax drafts): graded by the one-hot rule."""
     return Draft(list(range(1, len(confidence) + 1)), confidence=list(confidence))
+
+
+def sampled_chain(*confidence: float) -> Draft:
+    """The same chain drawn from q rows: graded by the q-ratio rule."""
+    tokens = list(range(1, len(confidence) + 1))
+    return Draft(tokens, torch.full((len(tokens), 8), 1 / 8), confidence=list(confidence))
 
 
 # ---- admission ----------------------------------------------------------------------------------
@@ -54,14 +61,22 @@ def test_admission_takes_pairs_in_descending_survival_across_the_batch():
     assert s.last.draft_lengths == (2, 1) and s.last.predicted_speedup == pytest.approx(4.21 / 1.4 / (2 / 1.1))
 
 
-def test_admission_stops_at_the_first_drop_even_when_a_later_pair_would_pay():
-    # One row more costs 0.6, two rows more the same (a dip): admitting x_1 alone loses, so it
-    # stops there although x_1 and x_2 together (survivals 0.5 and 0.495) would win.
+def test_sampled_drafts_stop_at_the_first_drop_deterministic_ones_look_past_it():
+    # One row more costs 0.6, two rows more the same (a dip): admitting x_1 alone loses, so a
+    # sampled draft stops there although x_1 and x_2 together (survivals 0.5 and 0.495) would win
+    # (looking past the dip would read x_1 through c_2). A deterministic draft is graded by the
+    # one-hot rule, which any cut keeps exact: it gets the best prefix, both tokens.
     curve = CostCurve((1, 2, 3), (1.0, 1.6, 1.6))
     s = scheduler(curve, k=2)
-    assert [len(d) for d in s.admit(["a"], [chain(0.5, 0.99)], batch=1)] == [0]
+    assert [len(d) for d in s.admit(["a"], [sampled_chain(0.5, 0.99)], batch=1)] == [0]
     assert [len(d) for d in LooksPastTheDip(SpecConfig("dspark", 2, policy="confidence"), curve).admit(
-        ["a"], [chain(0.5, 0.99)], batch=1)] == [2]
+        ["a"], [sampled_chain(0.5, 0.99)], batch=1)] == [2]
+    assert [len(d) for d in s.admit(["a"], [chain(0.5, 0.99)], batch=1)] == [2]
+    # One sampled draft in the round keeps every draft to the first drop (flat rows after a first
+    # dear one, at batch 2).
+    flat = scheduler(CostCurve((2, 3, 4, 5, 6), (1.0, 1.6, 1.6, 1.6, 1.6)), k=3, verify_rows=sum)
+    assert [len(d) for d in flat.admit(["a", "b"], [chain(0.5, 0.99, 0.99), chain(0.1)], batch=2)] == [3, 1]
+    assert [len(d) for d in flat.admit(["a", "b"], [chain(0.5, 0.99, 0.99), sampled_chain(0.1)], batch=2)] == [0, 0]
 
 
 def test_running_requests_without_a_draft_count_in_the_batch():
@@ -90,7 +105,7 @@ def test_drafts_without_confidences_are_refused():
     with pytest.raises(ValueError, match="confidences"):
         scheduler(CostCurve((1,), (1.0,))).admit(["a"], [Draft([1, 2])], batch=1)
     # a drafter that reports none is refused when the engine is built, not at its first request
-    for algorithm in ("ngram", "suffix"):
+    for algorithm in ("ngram",):
         with pytest.raises(ValueError, match="reports none"):
             Engine(sharp_target(), EngineConfig(max_model_len=64, spec=SpecConfig(algorithm, 3, policy="confidence")),
                    cost_curve=CostCurve((1,), (1.0,)))
@@ -353,6 +368,38 @@ def test_audit_fails_an_admission_that_looks_past_the_first_drop():
 
 def test_audit_passes_the_same_drafter_under_the_scheduler():
     rounds, checks = scheduled_audit(markov_engine(), SAMPLED, rounds=1500, batch=1)
+    ran = [c for c in checks if c.passed is not None]
+    assert ran and all(c.passed for c in ran), checks
+
+
+@register("test_sched_lookup")
+class DeterministicDipDrafter(Drafter):
+    """Proposes two tokens without q, as a lookup does (one-hot rule): x_1 is p_1's top, second
+    or third token in turn, x_2 p_2's top after it. c_1 = 0.5; c_2 is high every other round,
+    so under DIP_CURVE the scheduler verifies both tokens, looking past the dip, or none."""
+
+    reports_confidences = True
+    calls = 0
+
+    def propose(self, batch):
+        out = []
+        for inp in batch:
+            DeterministicDipDrafter.calls += 1
+            first = int(target_logits(list(inp.token_ids))[0].argsort(descending=True)[self.calls % 3])
+            second = int(target_logits(list(inp.token_ids) + [first])[0].argmax())
+            toks = [first, second][: inp.max_draft_tokens]
+            out.append(Draft(toks, None, None, [0.5, 0.99 if self.calls % 2 else 0.01][: len(toks)]))
+        return out
+
+
+def test_audit_passes_deterministic_drafts_admitted_past_the_dip():
+    """The one-hot rule keeps any cut that reads nothing of the target exact, so deterministic
+    drafts are admitted past a dip; the sampled audit still passes."""
+    eng = Engine(sharp_target(), EngineConfig(max_model_len=64, spec=SpecConfig("test_sched_lookup", 2, policy="confidence")),
+                 cost_curve=DIP_CURVE)
+    eng.policy = ConfidenceScheduler(eng.config.spec, DIP_CURVE, eng.runner.verify_rows)
+    rounds, checks = scheduled_audit(eng, SAMPLED, rounds=1500, batch=1)
+    assert {len(r.draft) for r in rounds} == {0, 2}
     ran = [c for c in checks if c.passed is not None]
     assert ran and all(c.passed for c in ran), checks
 

@@ -64,8 +64,7 @@ class DFlashDrafter(HeadDrafter):
         self.online_calibration = OnlineCalibration()
         self.lookup = None
         if spec.lookup:
-            self.lookup = LookupFirst(spec, target, tuple(self.head.serving_layers),
-                                      confidences=spec.policy == "confidence")
+            self.lookup = LookupFirst(spec, target, tuple(self.head.serving_layers))
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
         for o in outcomes:

@@ -67,7 +67,7 @@ class EagleDrafter(HeadDrafter):
             if self.lookup is not None:
                 depth = self.spec.max_draft_len
                 inputs = [dataclasses.replace(batch[i], max_draft_tokens=min(depth, batch[i].max_draft_tokens)) for i in rows]
-                branches = [d.token_ids for d in self.lookup.suffix.propose(inputs)]
+                branches = [d.token_ids for d in self.lookup.suffix.lookup(inputs)]
             for i, branch in zip(rows, branches):
                 # The lookup branch's nodes come out of the tree's budget.
                 drafts[i] = self._propose_tree(batch[i], self.spec.num_draft_tokens - len(branch)).with_branch(branch)

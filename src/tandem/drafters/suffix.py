@@ -8,11 +8,13 @@ estimated probability stays above a floor, and keeps the best-scoring of the dra
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.config import SpecConfig
 from tandem.drafters.base import Drafter, DraftInput, DraftOutcome, TargetInfo, register
+from tandem.drafters.calibration import OnlineCalibration
 from tandem.drafters.corpus import corpus_trie, shipped_corpus_dir
 from tandem.drafters.suffix_trie import SuffixTrie, TrieStream
 from tandem.types import Draft
@@ -20,6 +22,69 @@ from tandem.types import Draft
 
 # The tries a draft can come from (SuffixDrafter.evidence).
 OWN_TRIE, GLOBAL_TRIE, CORPUS_TRIE = 0, 1, 2
+
+# Upper bounds of the match-length classes a lookup draft's pass rates are kept by: the context's
+# tail matched over 1, 2, 3-4, 5-8, or 9 and more tokens. Replayed on 30 Spec-Bench greedy answers
+# (SmolLM2, the shipped corpus), a draft's first token passed 0.25 / 0.37 / 0.45 / 0.65 / 0.91 of
+# the time by class, and 0.54 from the request's own text against 0.20-0.31 from earlier answers
+# or the corpus.
+MATCH_CLASSES = (1, 2, 4, 8)
+# Passes every rate starts with (a graded position adds one grade): at 1 of 1, a position the
+# scheduler has never admitted is admitted and graded until its rate is known. Positions are only
+# graded when admitted, and a start of 0.5 kept the later ones out for good: dspark scheduled
+# verified one-token lookup drafts in 491 of 948 rounds where suffix decoding's own drafts ran to
+# four tokens (Spec-Bench --limit 2, greedy, 128 tokens, Zen 5).
+PRIOR_PASSES = 1
+
+
+class LookupConfidence:
+    """The confidences the lookup's drafts report, and what it learns from their grades.
+
+    Position j's base rate is how often position j of earlier lookup drafts passed when every
+    token before it had, over the whole server, kept apart by evidence (SuffixDrafter.evidence:
+    the request's own text or not, and the match-length class). The request's own grades then
+    move it by one logit offset per request (drafters/calibration.py), as a head's confidences
+    are corrected: a request whose text drafts better or worse than the average is seen within a
+    few rounds. Both are functions of the context and past rounds only."""
+
+    def __init__(self) -> None:
+        self.grades: dict[tuple[bool, int, int], tuple[int, int]] = {}  # (own, class, j) -> (graded, passed)
+        self.calibration = OnlineCalibration()
+        self.drafted: dict[str, tuple[bool, int]] = {}  # request -> evidence of its latest lookup draft
+
+    @staticmethod
+    def evidence_class(evidence: tuple[int, int]) -> tuple[bool, int]:
+        which, matched = evidence
+        return which == OWN_TRIE, bisect.bisect_left(MATCH_CLASSES, matched)
+
+    def rate(self, evidence: tuple[int, int], j: int) -> float:
+        graded, passed = self.grades.get((*self.evidence_class(evidence), j), (0, 0))
+        return (passed + PRIOR_PASSES) / (graded + PRIOR_PASSES)
+
+    def confidences(self, request_id: str, evidence: tuple[int, int], n: int) -> list[float]:
+        """The confidences of the request's lookup draft of n tokens (kept until it is graded)."""
+        self.drafted[request_id] = self.evidence_class(evidence)
+        return self.calibration.correct(request_id, [self.rate(evidence, j) for j in range(n)])
+
+    def not_drafted(self, request_id: str) -> None:
+        """The request's latest draft is not the lookup's: nothing of it to grade here."""
+        self.drafted.pop(request_id, None)
+        self.calibration.not_drafted(request_id)
+
+    def observe(self, request_id: str, verified: int, accepted: int) -> None:
+        """The first `verified` tokens of the request's latest lookup draft were graded, the
+        first `accepted` passed: position j was graded when every earlier one passed."""
+        drafted = self.drafted.pop(request_id, None)
+        if drafted is None:
+            return
+        for j in range(min(verified, accepted + 1)):
+            graded, passed = self.grades.get((*drafted, j), (0, 0))
+            self.grades[(*drafted, j)] = (graded + 1, passed + (j < accepted))
+        self.calibration.observe(request_id, verified, accepted)
+
+    def release(self, request_id: str) -> None:
+        self.drafted.pop(request_id, None)
+        self.calibration.release(request_id)
 
 
 @dataclass(slots=True)
@@ -53,7 +118,13 @@ class SuffixDrafter(Drafter):
     cut to its first tokens, and one that alone exceeds the node budget is not kept. The corpus
     trie is built once per process, corpus and depth and shared by every drafter (the shipped
     SmolLM2 corpus: 200k answer tokens, about 0.44M nodes, 100 MB).
+
+    Under the confidence scheduler every draft carries confidences (LookupConfidence: how often
+    earlier drafts on the same evidence passed, corrected for the request), so the scheduler can
+    cut it where its next tokens no longer pay for their rows.
     """
+
+    reports_confidences = True
 
     def __init__(
         self,
@@ -93,18 +164,44 @@ class SuffixDrafter(Drafter):
         # Per request, the evidence behind its latest draft: which trie it came from (OWN_TRIE,
         # GLOBAL_TRIE or CORPUS_TRIE) and how many tokens of the context's tail that trie matched.
         self.evidence: dict[str, tuple[int, int]] = {}
+        # The confidence scheduler prices drafts by their confidences; other policies read none.
+        self.confidence = LookupConfidence() if spec.policy == "confidence" else None
 
     def propose(self, batch: list[DraftInput]) -> list[Draft]:
+        return [self.with_confidences(inp.request_id, draft) for inp, draft in zip(batch, self.lookup(batch))]
+
+    def lookup(self, batch: list[DraftInput]) -> list[Draft]:
+        """The drafts alone, without confidences (nothing is kept for grading)."""
         return [self._propose_one(inp) for inp in batch]
+
+    def with_confidences(self, request_id: str, draft: Draft) -> Draft:
+        """The request's draft from `lookup` as the round proposes it: under the confidence
+        scheduler with its confidences (an empty draft with none), kept until it is graded."""
+        if self.confidence is None:
+            return draft
+        if not draft:
+            self.confidence.not_drafted(request_id)
+            return Draft([], confidence=[])
+        return Draft(draft.token_ids,
+                     confidence=self.confidence.confidences(request_id, self.evidence[request_id], len(draft)))
+
+    def not_drafted(self, request_id: str) -> None:
+        """The request's round is drafted by another source (a head behind the lookup)."""
+        if self.confidence is not None:
+            self.confidence.not_drafted(request_id)
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:
         for outcome in outcomes:
             req = self._requests.get(outcome.request_id)
             if req is not None:
                 req.trie.extend(req.stream, outcome.committed)
+            if self.confidence is not None:
+                self.confidence.observe(outcome.request_id, outcome.num_drafted, outcome.num_accepted)
 
     def release(self, request_id: str) -> None:
         self.evidence.pop(request_id, None)
+        if self.confidence is not None:
+            self.confidence.release(request_id)
         req = self._requests.pop(request_id, None)
         if req is None:
             return

@@ -67,7 +67,7 @@ class Engine:
             if config.spec.policy == "confidence" and not self.drafter.reports_confidences:
                 raise ValueError(
                     f"the confidence scheduler prices drafts by the confidences their drafter reports, and "
-                    f"{config.spec.algorithm} reports none: use it with dflash or dspark, or choose "
+                    f"{config.spec.algorithm} reports none: use it with dflash, dspark or suffix, or choose "
                     "--speculative-policy adaptive or fixed")
             self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round, self.runner.verify_rows,
                                         self.drafter.source_names)

@@ -32,7 +32,11 @@ class ConfidenceScheduler(PricedPolicy):
     Stopping at the first drop is what keeps it lossless: whether (r, j) is admitted depends only
     on the pairs ranked before it, and (r, j+1), whose survival reads x_{r,j}, never ranks before
     (r, j). An admission that looked past a dip, or picked the best set overall, would decide on
-    x_{r,j} from a value that depends on it.
+    x_{r,j} from a value that depends on it. When every draft of the round is deterministic (a
+    lookup's, or argmax drafts under greedy), the verifier grades them by the one-hot rule, which
+    any cut that reads nothing of the target keeps exact: admission then takes the best prefix of
+    the ranked pairs, looking past dips (a suffix draft's first token may be weak where the
+    tokens after it, once it passes, almost always pass too).
 
     The drafter reports its confidences already corrected online for the request
     (drafters/calibration.py). Before drafting, `draft_lengths` prices expected survivals (a
@@ -147,7 +151,8 @@ class ConfidenceScheduler(PricedPolicy):
         survivals = []
         for rid, d in zip(request_ids, drafts):
             if d.is_tree or d.confidence is None:
-                raise ValueError("the confidence scheduler needs chain drafts with confidences (dspark, dflash)")
+                raise ValueError("the confidence scheduler needs chain drafts with confidences "
+                                 "(dspark, dflash, suffix)")
             survivals.append(d.survival())
             # A request's first draft from a source replaces the server-wide guess it started
             # from; later ones average in.
@@ -160,7 +165,11 @@ class ConfidenceScheduler(PricedPolicy):
                 mine[j] += weight * (a - mine[j])
                 shared[j] += GLOBAL_EMA * (a - shared[j])
         # Running requests without a draft are the rest of the batch: one row, one token each.
-        lengths, predicted = self._admission(batch, survivals, contexts=contexts)
+        # Deterministic drafts (no q) are graded by the one-hot rule, which any cut that reads
+        # nothing of the target keeps exact: then the best prefix of the ranked pairs is taken,
+        # looking past dips (a draft whose first token is weak but whose next ones are strong).
+        deterministic = all(d.probs is None for d in drafts)
+        lengths, predicted = self._admission(batch, survivals, past_dips=deterministic, contexts=contexts)
         self.last = Decision(batch, tuple(lengths), predicted * self.seconds([1] * batch, contexts) / batch)
         return [d.truncated(n) for d, n in zip(drafts, lengths)]
 
