@@ -77,5 +77,5 @@ def test_variants_follow_the_cpu_flags(monkeypatch):
     alder = zen3 | {"avx_vnni"}
     for flags, expected in ((zen3, ["avx2"]), (zen4, ["avx512", "vnni256", "avx2"]), (alder, ["vnni256", "avx2"]),
                             (frozenset({"sse2"}), [])):
-        monkeypatch.setattr(kernels, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda flags=flags: flags)
         assert kernels.supported_variants() == expected

@@ -25,7 +25,7 @@ from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engine.rounds import round_origins
 from tandem.engine.request import Request
 from tandem.llm import LLM
-from tandem.server.protocol import TokenPiece
+from tandem.server.responses import TokenPiece
 from tandem.types import TOKEN_ORIGINS, Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,16 +7,9 @@ text. Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}.
 
 from __future__ import annotations
 
-import asyncio
-import copy
-import json
 import logging
 import uuid
-from dataclasses import dataclass
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,119 +18,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import SamplingParams, ServerConfig, StructuredOutput
-from tandem.grammar import GrammarCompiler
 from tandem.llm import chat_token_ids
-from tandem.server.async_engine import AsyncEngine, Delta, EngineStoppedError, Generation, QueueFullError
+from tandem.server.answers import Echo, chat_response, completion_response, drain, stream_chat, stream_completion
+from tandem.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from tandem.server.context import APIError, ServingContext
 from tandem.server.guard import RequestGuard
-from tandem.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
-from tandem.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
+from tandem.server.playground import playground_html
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tandem.server.responses import (
     ChatCompletionResponse,
-    ChatDelta,
-    ChatLogprobs,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    NamedToolChoice,
-    Provenance,
-    RoundAcceptance,
-    SamplingFields,
-    TokenPiece,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallFunction,
-    Usage,
     error_payload,
 )
-from tandem.server.playground import playground_html
-from tandem.types import SpecStats, TokenLogprob
 
 log = logging.getLogger("tandem.server")
-T = TypeVar("T")
-
-DISCONNECT_POLL_S = 0.25
-# Normalizers may change a text's length; the early length check (ServingContext) allows for it.
-TEXT_GROWTH_ALLOWANCE = 2
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code=None, headers=None) -> JSONResponse:
     return JSONResponse(error_payload(message, type_, param, code), status_code=status, headers=headers)
-
-
-def _sse(payload) -> str:
-    data = payload if isinstance(payload, str) else payload.model_dump_json()
-    return f"data: {data}\n\n"
-
-
-class ServingContext:
-    """What the routes need: the engine, the served name, the context length, the tokenizer and
-    the thread that runs it (tokenizing a long prompt must not hold up the event loop, and so
-    every stream)."""
-
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        self.engine = engine
-        self.model_name = model_name
-        # Its own copy, used only on its own thread: the engine thread decodes with the original at
-        # the same time, and a Rust tokenizer used from two threads at once can fail with
-        # "Already borrowed".
-        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
-        self.max_model_len = engine.engine.config.max_model_len
-        self.vocab_size = engine.engine.loaded.config.vocab_size
-        self.max_token_chars = longest_token_chars(self.tokenizer)
-        self.token_strings = TokenStrings(self.tokenizer)  # logprobs' token texts, on the same thread
-        # Structured outputs are compiled here first (on the same thread), so a bad one is a 400.
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(engine.engine.eos_ids))
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
-
-    async def tokenize(self, fn: Callable[[], T]) -> T:
-        """fn, which uses self.tokenizer, on the tokenizer's own thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
-
-    async def completion_logprobs(self, entries: list[TokenLogprob | None], offset: int,
-                                  unscored: int | None = None) -> CompletionLogprobs:
-        return await self.tokenize(lambda: completion_logprobs(entries, self.token_strings, offset, unscored))
-
-    async def chat_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
-        return await self.tokenize(lambda: chat_logprobs(entries, self.token_strings))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def check_text_length(self, chars: int, param: str) -> None:
-        """Refuse, before tokenizing it, a text that cannot fit the context: it has at least
-        chars / max_token_chars tokens (no token covers more characters than its vocabulary
-        entry spells)."""
-        if self.max_token_chars is None:
-            return
-        least = chars // (self.max_token_chars * TEXT_GROWTH_ALLOWANCE)
-        if least >= self.max_model_len:
-            raise APIError(400, f"the prompt has {chars} characters, so at least {least} tokens; this model's "
-                                f"context is {self.max_model_len} tokens: shorten the prompt", param=param,
-                           code="context_length_exceeded")
-
-
-def longest_token_chars(tokenizer) -> int | None:
-    """The most characters one vocabulary entry spells (byte-level BPE spells a byte per
-    character, SentencePiece a character per character, so no token covers more text), or
-    None for a tokenizer without a vocabulary to read."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    vocab = get_vocab() if get_vocab is not None else None
-    return max(map(len, vocab)) if vocab else None
 
 
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
@@ -330,31 +231,6 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
     return out
 
 
-@dataclass
-class Echo:
-    """What completions' echo puts before each choice: its prompt's text and tokens (choice i
-    echoes prompt i // n), and whether nothing generated follows (max_tokens 0)."""
-
-    texts: list[str]
-    prompts: list[list[int]]
-    n: int
-    scoring_only: bool
-
-    @classmethod
-    async def of(cls, ctx: ServingContext, body: SamplingFields, prompts: list[list[int]]) -> "Echo | None":
-        if not body.echoes_prompt:
-            return None
-        texts = [p if isinstance(p, str) else await ctx.tokenize(lambda p=p: ctx.tokenizer.decode(p))
-                 for p in body.prompt_list()]
-        return cls(texts, prompts, body.n, body.max_tokens == 0)
-
-    def text(self, choice: int) -> str:
-        return self.texts[choice // self.n]
-
-    def prompt(self, choice: int) -> list[int]:
-        return self.prompts[choice // self.n]
-
-
 async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[int]], request: Request, chat: bool):
     if body.model is not None and body.model != ctx.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
@@ -376,205 +252,16 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     echo = await Echo.of(ctx, body, prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = (_stream_chat(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance,
+        events = (stream_chat(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance,
                                body if chat and body.calls_tool else None) if chat else
-                  _stream_completion(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance, echo))
+                  stream_completion(ctx, gen, api_id, prompt_tokens, include_usage, body.return_provenance, echo))
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    texts, outputs, provenance = await _drain(gen, request, body.return_provenance)
+    texts, outputs, provenance = await drain(gen, request, body.return_provenance)
     if len(outputs) < len(gen.choices):  # the client went away and the generation was aborted
         return Response(status_code=499)
     if any(o.error for o in outputs.values()):
         message = next(o.error for o in outputs.values() if o.error)
         raise APIError(500, message, "internal_error")
-    usage, spec = _usage(prompt_tokens, outputs, echo is not None and echo.scoring_only)
-    model = ctx.model_name
-    entries = {i: d.output.logprobs for i, d in outputs.items()} if body.logprobs_count is not None else {}
     if chat:
-        choices = []
-        for i in sorted(texts):
-            message, reason = AssistantMessage(content=texts[i]), outputs[i].finish_reason
-            if body.calls_tool:
-                message, reason = _tool_call_message(body, texts[i], reason)
-            choices.append(ChatChoice(index=i, message=message, finish_reason=reason, provenance=provenance.get(i),
-                                      logprobs=await ctx.chat_logprobs(entries[i]) if entries else None))
-        return ChatCompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
-    choices = []
-    for i in sorted(texts):
-        text, logprobs, reason = texts[i], None, outputs[i].finish_reason
-        if echo is not None:  # the prompt first; with max_tokens 0 only the prompt
-            generated = "" if echo.scoring_only else text
-            text = echo.text(i) + generated
-            reason = "length" if echo.scoring_only else reason
-        if entries:
-            logprobs = await _completion_logprobs(ctx, echo, i, outputs[i].output.prompt_logprobs, entries[i])
-        choices.append(CompletionChoice(index=i, text=text, finish_reason=reason, provenance=provenance.get(i),
-                                        logprobs=logprobs))
-    return CompletionResponse(id=api_id, model=model, choices=choices, usage=usage, spec=spec)
-
-
-def _tool_call_message(body: ChatCompletionRequest, text: str, reason: str | None) -> tuple[AssistantMessage, str | None]:
-    """An answer held to a tool call's schema (ChatCompletionRequest.tool_call_output) as
-    OpenAI's assistant message with one tool call, finish_reason tool_calls. An answer that
-    max_tokens cut short is not a call: it stays the message's content, finish_reason length."""
-    if reason != "stop":
-        return AssistantMessage(content=text), reason
-    if isinstance(body.tool_choice, NamedToolChoice):
-        name, arguments = body.tool_choice.function.name, text
-    else:
-        try:
-            call = json.loads(text)
-            name, arguments = call["name"], json.dumps(call["arguments"])
-        except (ValueError, KeyError, TypeError):  # a stop string cut the call short
-            return AssistantMessage(content=text), reason
-    tool_call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=arguments))
-    return AssistantMessage(content=None, tool_calls=[tool_call]), "tool_calls"
-
-
-async def _completion_logprobs(ctx: ServingContext, echo: Echo | None, choice: int,
-                               prompt_entries: list | None, entries: list, offset: int = 0) -> CompletionLogprobs:
-    """A choice's legacy logprobs: with echo its prompt tokens' first (the first one's null),
-    then its generated tokens' (none with max_tokens 0), whose text offsets continue from the
-    end of the prompt's text."""
-    if echo is None:
-        return await ctx.completion_logprobs(entries, offset)
-    scored = await ctx.completion_logprobs(prompt_entries, offset, unscored=echo.prompt(choice)[0])
-    if echo.scoring_only:
-        return scored
-    generated = await ctx.completion_logprobs(entries, offset + len(echo.text(choice)))
-    return CompletionLogprobs(**{field: getattr(scored, field) + getattr(generated, field)
-                                 for field in CompletionLogprobs.model_fields})
-
-
-async def _drain(gen: Generation, request: Request,
-                 provenance: bool) -> tuple[dict[int, str], dict[int, Delta], dict[int, Provenance]]:
-    """Collect every delta (text, final delta and, when asked for, provenance per choice);
-    abort the generation if the client goes away first. The final delta's output holds the
-    choice's logprobs whole."""
-
-    async def watch():
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if await request.is_disconnected():
-                gen.abort()
-                return
-
-    watcher = asyncio.create_task(watch())
-    texts: dict[int, str] = {i: "" for i in range(len(gen.choices))}
-    finals: dict[int, Delta] = {}
-    origins = {i: Provenance(pieces=[], rounds=[]) for i in range(len(gen.choices))} if provenance else {}
-    try:
-        async for index, delta in gen:
-            texts[index] += delta.text
-            if provenance:
-                new = _provenance(delta)
-                origins[index].pieces += new.pieces
-                origins[index].rounds += new.rounds
-            if delta.finish_reason is not None:
-                finals[index] = delta
-    finally:
-        watcher.cancel()
-        gen.abort()  # no-op when every choice finished
-    return texts, finals, origins
-
-
-def _provenance(delta: Delta) -> Provenance:
-    """A delta's text cut by who wrote it, and the round that produced it (if one ran)."""
-    pieces = [TokenPiece(text=text, origin=origin) for text, origin in delta.text_origins or ()]
-    rounds = [] if delta.round is None else [RoundAcceptance(depth=delta.round.depth, accepted=delta.round.accepted)]
-    return Provenance(pieces=pieces, rounds=rounds)
-
-
-def _usage(prompt_tokens: int, finals: dict[int, Delta], scoring_only: bool = False) -> tuple[Usage, dict]:
-    """Usage over every choice (no completion tokens where echo with max_tokens 0 returned
-    none) and the choices' speculation stats."""
-    completion = 0 if scoring_only else sum(len(d.output.token_ids) for d in finals.values() if d.output is not None)
-    stats = SpecStats()
-    for d in finals.values():
-        if d.output is not None:
-            stats.merge(d.output.spec)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                 total_tokens=prompt_tokens + completion), stats.as_dict()
-
-
-def _error_event(delta: Delta) -> str:
-    return _sse(json.dumps({"error": {"message": delta.error, "type": "internal_error", "param": None, "code": None}}))
-
-
-async def _stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool,
-                             provenance: bool, echo: Echo | None) -> AsyncIterator[str]:
-    finals: dict[int, Delta] = {}
-    text_offsets = [0] * len(gen.choices)  # where each choice's next token's text starts (logprobs)
-    echoed = [echo is None] * len(gen.choices)  # with echo: whether the choice's prompt went out yet
-    try:
-        async for index, delta in gen:
-            if delta.error:
-                yield _error_event(delta)
-            if delta.finish_reason is not None:
-                finals[index] = delta
-            text, entries, reason, logprobs = delta.text, delta.logprobs, delta.finish_reason, None
-            if echo is not None and echo.scoring_only:  # what was generated to score the prompt stays here
-                text, entries = "", None
-                reason = reason and "length"
-            if not echoed[index] and (delta.token_ids or reason is not None):  # the prompt first
-                echoed[index] = True
-                text_offsets[index] = len(echo.text(index))  # generated tokens' offsets follow the prompt's text
-                if delta.prompt_logprobs is not None:
-                    logprobs = await _completion_logprobs(ctx, echo, index, delta.prompt_logprobs, entries or [])
-                    text_offsets[index] += sum(len(t) for t in logprobs.tokens[len(delta.prompt_logprobs):])
-                    entries = None
-                text = echo.text(index) + text
-            if entries:
-                logprobs = await ctx.completion_logprobs(entries, text_offsets[index])
-                text_offsets[index] += sum(len(t) for t in logprobs.tokens)
-            if text or logprobs or reason is not None or (provenance and delta.round is not None):
-                choice = CompletionChoice(index=index, text=text, finish_reason=reason,
-                                          provenance=_provenance(delta) if provenance else None, logprobs=logprobs)
-                yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[choice]))
-        if include_usage:
-            usage, spec = _usage(prompt_tokens, finals, echo is not None and echo.scoring_only)
-            yield _sse(CompletionResponse(id=api_id, model=ctx.model_name, choices=[], usage=usage, spec=spec))
-        yield _sse("[DONE]")
-    finally:
-        gen.abort()  # the client went away mid-stream (or we finished: then a no-op)
-
-
-async def _stream_chat(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool,
-                       provenance: bool, tool_call: ChatCompletionRequest | None) -> AsyncIterator[str]:
-    """Chat chunks; with tool_call (the request whose answer is a call) the answer is held back
-    and sent whole as the call's one tool_calls delta when it ends (its logprobs as they come)."""
-    finals: dict[int, Delta] = {}
-    held = [""] * len(gen.choices)
-
-    def chunk(choices, **kw):
-        return _sse(ChatCompletionChunk(id=api_id, model=ctx.model_name, choices=choices, **kw))
-
-    try:
-        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                     for i in range(len(gen.choices))])
-        async for index, delta in gen:
-            if delta.error:
-                yield _error_event(delta)
-            text = delta.text
-            if tool_call is not None:
-                held[index] += text
-                text = ""
-            if text or delta.logprobs or (provenance and delta.round is not None):
-                logprobs = await ctx.chat_logprobs(delta.logprobs) if delta.logprobs else None
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
-                                             provenance=_provenance(delta) if provenance else None,
-                                             logprobs=logprobs)])
-            if delta.finish_reason is not None:
-                finals[index] = delta
-                reason = delta.finish_reason
-                if tool_call is not None and not delta.error:
-                    message, reason = _tool_call_message(tool_call, held[index], reason)
-                    calls = [ToolCallDelta(index=0, **c.model_dump()) for c in message.tool_calls or ()]
-                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=message.content,
-                                                                              tool_calls=calls or None))])
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)])
-        if include_usage:
-            usage, spec = _usage(prompt_tokens, finals)
-            yield chunk([], usage=usage, spec=spec)
-        yield _sse("[DONE]")
-    finally:
-        gen.abort()
+        return await chat_response(ctx, body, api_id, prompt_tokens, texts, outputs, provenance)
+    return await completion_response(ctx, body, api_id, prompt_tokens, texts, outputs, provenance, echo)

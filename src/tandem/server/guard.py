@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from tandem.server.protocol import error_payload
+from tandem.server.responses import error_payload
 
 OPEN_PATHS = frozenset({"/health", "/"})  # the playground page holds no data; its requests send the key
 DRAIN_FACTOR = 16

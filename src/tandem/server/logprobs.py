@@ -5,7 +5,7 @@ its tokenizer (ServingContext's)."""
 
 from __future__ import annotations
 
-from tandem.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from tandem.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from tandem.types import TokenLogprob
 
 
@@ -72,18 +72,14 @@ def completion_logprobs(entries: list[TokenLogprob | None], strings: TokenString
     token, which nothing predicts: null logprob and alternatives)."""
     tokens, offsets, tops, values = [], [], [], []
     for e in entries:
-        if e is None:
-            text = strings(unscored)[0]
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
-            tops.append(None)
-            values.append(None)
-            continue
-        text = strings(e.token_id)[0]
+        text = strings(unscored if e is None else e.token_id)[0]
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
+        if e is None:
+            tops.append(None)
+            values.append(None)
+            continue
         top = {strings(t)[0]: lp for t, lp in e.top}
         top.setdefault(text, e.logprob)  # OpenAI: the sampled token is always among them
         tops.append(top)

@@ -27,270 +27,60 @@ import subprocess
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tandem.model.kernels.cpu import (
+    KERNEL_CHOICES,
+    VARIANT_NAMES,
+    VARIANTS,
+    compile_flags,
+    cpu_flags,
+    cpu_model,
+    cpu_name,
+    requested_kernels,
+    selected_variant,
+    supported_variants,
+)
+from tandem.model.kernels.records import (
+    GEGLU,
+    IDENTITY,
+    RMS_NORM,
+    RMS_NORM_HALVES,
+    SWIGLU,
+    AttendArgs,
+    BlockWeights,
+    DecoderArgs,
+    DecoderLayerRecord,
+    DecoderShape,
+    DraftChain,
+    DraftChainArgs,
+    DraftLayer,
+    DraftLayerArgs,
+    DraftRows,
+    LayerParts,
+    LinearCall,
+    TreeKeys,
+    decoder_layers,
+    kv_half,
+    own_caches,
+    ptr,
+)
 from tandem.paths import cache_root
+
+# The package's face: the kernels, what they read, and which variant runs here.
+__all__ = [
+    "GEGLU", "IDENTITY", "KERNEL_CHOICES", "RMS_NORM", "RMS_NORM_HALVES", "SWIGLU", "VARIANTS", "VARIANT_NAMES",
+    "BlockKernels", "BlockWeights", "DecoderShape", "DraftChain", "DraftLayer", "DraftRows", "LayerParts", "TreeKeys",
+    "block_kernels", "cpu_flags", "cpu_model", "cpu_name", "decoder_layers", "kernel_description", "load_variant",
+    "selected_variant", "supported_variants",
+]
 
 log = logging.getLogger("tandem.kernels")
 
 SOURCE = Path(__file__).with_name("block_matmul.cpp")
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-BLOCK = 32
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    lanes: int
-    cpu_flags: tuple[tuple[str, ...], ...]  # any one of these flag sets suffices
-    compile_flags: tuple[tuple[str, ...], ...]  # the flags for the matching cpu_flags entry
-
-
-_AVX2 = ("avx2", "fma", "f16c")
-_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
-_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-_AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
-
-# Best first: auto picks the first one the CPU runs.
-VARIANTS = (
-    Variant("avx512", 16, (_AVX512,), (_AVX512_FLAGS,)),
-    Variant("vnni256", 8, ((*_AVX2, "avx_vnni"), _AVX512), ((*_AVX2_FLAGS, "-mavxvnni"), _AVX512_FLAGS)),
-    Variant("avx2", 8, (_AVX2,), (_AVX2_FLAGS,)),
-)
-VARIANT_NAMES = tuple(v.name for v in VARIANTS)
-KERNEL_CHOICES = ("auto", *VARIANT_NAMES, "torch")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
-def cpu_name() -> str:
-    """The CPU's model name, for figures and profile keys."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def cpu_model() -> str | None:
-    """'family F model M' of the CPU (one model name covers several generations: AMD EPYC is
-    Zen 3 at family 25 model 1, Zen 4 at 25/17, Zen 5 at 26/2), or None where /proc/cpuinfo
-    does not say."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("cpu family", "model") and key not in fields:
-                fields[key] = value.strip()
-            if not line.strip():
-                break
-    except OSError:
-        return None
-    if "cpu family" not in fields or "model" not in fields:
-        return None
-    return f"family {fields['cpu family']} model {fields['model']}"
-
-
-def _compile_flags(variant: Variant, flags: frozenset[str]) -> tuple[str, ...] | None:
-    for needed, compile_flags in zip(variant.cpu_flags, variant.compile_flags):
-        if set(needed) <= flags:
-            return compile_flags
-    return None
-
-
-def supported_variants() -> list[str]:
-    """The block-kernel variants this CPU can run, best first."""
-    return list(_supported(cpu_flags()))
-
-
-@functools.cache
-def _supported(flags: frozenset[str]) -> tuple[str, ...]:
-    # Cached per flag set: every block linear's forward asks which kernels run.
-    return tuple(v.name for v in VARIANTS if _compile_flags(v, flags) is not None)
-
-
-def requested_kernels() -> str:
-    choice = os.environ.get("TANDEM_KERNELS", "auto")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"TANDEM_KERNELS={choice!r}: choose one of {', '.join(KERNEL_CHOICES)}")
-    return choice
-
-
-def selected_variant() -> str | None:
-    """The variant block_kernels() runs: TANDEM_KERNELS's, or the best this CPU supports; None
-    for torch's kernels."""
-    choice = requested_kernels()
-    if choice == "torch":
-        return None
-    supported = _supported(cpu_flags())
-    if choice == "auto":
-        return supported[0] if supported else None
-    if choice not in supported:
-        raise ValueError(f"TANDEM_KERNELS={choice}: this CPU cannot run it (it runs: {', '.join(supported) or 'none'})")
-    return choice
-
-
-def kernel_description() -> str:
-    """What runs the quantized linears here: the block-kernel variant or torch's kernels."""
-    k = block_kernels()
-    return f"tandem {k.variant}" if k is not None else "torch int4/int8"
-
-
-# Input transforms fused into a linear; RMS_NORM_HALVES norms each half of a row on its own
-# (EAGLE-3's [embedding | feature] attention input).
-IDENTITY, RMS_NORM, SWIGLU, GEGLU, RMS_NORM_HALVES = 0, 1, 2, 3, 4
-
-
-class _Weights(ctypes.Structure):
-    _fields_ = [
-        ("packed", ctypes.c_void_p), ("pd", ctypes.c_void_p), ("pm", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-        ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("q4", ctypes.c_int),
-    ]
-
-
-class _LinearCall(ctypes.Structure):
-    _fields_ = [
-        ("w", ctypes.POINTER(_Weights)), ("x", ctypes.c_void_p), ("n", ctypes.c_int64), ("x_stride", ctypes.c_int64),
-        ("transform", ctypes.c_int), ("norm_w", ctypes.c_void_p), ("eps", ctypes.c_float),
-        ("residual", ctypes.c_void_p), ("y", ctypes.c_void_p), ("threads", ctypes.c_int),
-    ]
-
-
-class _AttendArgs(ctypes.Structure):
-    _fields_ = [
-        ("qkv", ctypes.c_void_p), ("T", ctypes.c_int64), ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64),
-        ("D", ctypes.c_int64), ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p),
-        ("hi", ctypes.c_void_p), ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p),
-        ("M", ctypes.c_int64), ("window", ctypes.c_int64), ("scale", ctypes.c_float), ("out", ctypes.c_void_p),
-        ("threads", ctypes.c_int), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
-        ("kv_half", ctypes.c_int),
-        ("seq_k", ctypes.POINTER(ctypes.c_void_p)), ("seq_v", ctypes.POINTER(ctypes.c_void_p)),
-        ("seq_M", ctypes.c_void_p),
-        ("k_blocked", ctypes.c_int),
-    ]
-
-
-class _DecoderLayer(ctypes.Structure):
-    _fields_ = [
-        ("qkv", ctypes.POINTER(_Weights)), ("o", ctypes.POINTER(_Weights)), ("gate_up", ctypes.POINTER(_Weights)),
-        ("down", ctypes.POINTER(_Weights)), ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
-        ("window", ctypes.c_int64), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-        ("post_attn_norm", ctypes.c_void_p), ("post_mlp_norm", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-    ]
-
-
-class _DecoderArgs(ctypes.Structure):
-    _fields_ = [
-        ("layers", ctypes.POINTER(_DecoderLayer)), ("num_layers", ctypes.c_int64),
-        ("H", ctypes.c_int64), ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int),
-        ("x", ctypes.c_void_p), ("T", ctypes.c_int64),
-        ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hi", ctypes.c_void_p),
-        ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p), ("kcache", ctypes.c_void_p), ("vcache", ctypes.c_void_p), ("M", ctypes.c_int64), ("layer_stride", ctypes.c_int64),
-        ("capture", ctypes.POINTER(ctypes.c_void_p)), ("threads", ctypes.c_int), ("kv_half", ctypes.c_int),
-        ("k_blocked", ctypes.c_int),
-    ]
-
-
-class _DraftLayerArgs(ctypes.Structure):
-    _fields_ = [
-        ("layer", ctypes.POINTER(_DecoderLayer)),
-        ("H", ctypes.c_int64), ("Hq", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("D", ctypes.c_int64),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("activation", ctypes.c_int),
-        ("x", ctypes.c_void_p), ("attn_in", ctypes.c_void_p), ("attn_width", ctypes.c_int64),
-        ("attn_transform", ctypes.c_int), ("attn_eps", ctypes.c_float), ("T", ctypes.c_int64),
-        ("seq", ctypes.c_void_p), ("slot", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("hi", ctypes.c_void_p),
-        ("key_off", ctypes.c_void_p), ("keys", ctypes.c_void_p),
-        ("seq_k", ctypes.POINTER(ctypes.c_void_p)), ("seq_v", ctypes.POINTER(ctypes.c_void_p)), ("seq_M", ctypes.c_void_p),
-        ("head", ctypes.POINTER(_Weights)), ("head_norm", ctypes.c_void_p), ("head_eps", ctypes.c_float),
-        ("head_index", ctypes.c_void_p), ("head_rows", ctypes.c_int64),
-        ("logits", ctypes.c_void_p), ("threads", ctypes.c_int), ("kv_half", ctypes.c_int),
-    ]
-
-
-class _DraftChainArgs(ctypes.Structure):
-    _fields_ = [
-        ("layer", _DraftLayerArgs), ("R", ctypes.c_int64), ("feat", ctypes.c_void_p), ("logits", ctypes.c_void_p),
-        ("slot0", ctypes.c_void_p), ("pos0", ctypes.c_void_p), ("budget", ctypes.c_void_p), ("width", ctypes.c_int64),
-        ("vocab_ids", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("embed_scale", ctypes.c_float),
-        ("tokens", ctypes.c_void_p),
-    ]
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _own_caches(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[ctypes.Array, ctypes.Array, torch.Tensor]:
-    """Per-sequence caches as AttendArgs reads them: key and value base addresses, capacities."""
-    k_ptrs = (ctypes.c_void_p * len(caches))(*[_ptr(k) for k, _ in caches])
-    v_ptrs = (ctypes.c_void_p * len(caches))(*[_ptr(v) for _, v in caches])
-    return k_ptrs, v_ptrs, torch.tensor([k.shape[1] for k, _ in caches], dtype=torch.int64)
-
-
-def _kv_half(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """1 for an fp16 KV cache, 0 for float32 (the two the kernels read)."""
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"the block kernels read a float32 or float16 KV cache, not {k_cache.dtype}/{v_cache.dtype}")
-    return int(k_cache.dtype == torch.float16)
-
-
-class BlockWeights:
-    """One linear layer's weights as the kernels read them: the GGUF blocks repacked into groups
-    of `lanes` output rows (see block_matmul.cpp). Built once per layer by BlockKernels.pack;
-    holds the tensors its native record points into."""
-
-    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None,
-                 lanes: int, q8_bias: int) -> None:
-        N = qs.shape[0]
-        K = qs.shape[1] * 2 if m is not None else qs.shape[1]
-        nb = K // BLOCK
-        groups = -(-N // lanes)
-        pad = groups * lanes - N
-        if m is not None:
-            codes = torch.cat([qs.view(N, nb, 16) & 0xF, qs.view(N, nb, 16) >> 4], dim=-1)  # [N, nb, 32]
-            codes = torch.nn.functional.pad(codes, (0, 0, 0, 0, 0, pad))
-            quads = codes.view(groups, lanes, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [G, nb, 8, lanes, 4]
-            packed = quads[:, :, :4] | (quads[:, :, 4:] << 4)
-        else:
-            codes = torch.nn.functional.pad(qs.view(N, nb, 32), (0, 0, 0, 0, 0, pad))
-            quads = codes.view(groups, lanes, nb, 8, 4).permute(0, 2, 3, 1, 4)
-            packed = (quads.to(torch.int16) + q8_bias).to(torch.uint8) if q8_bias else quads.view(torch.uint8)
-
-        def grouped(scales: torch.Tensor) -> torch.Tensor:  # fp16, as GGUF stores them
-            padded = torch.nn.functional.pad(scales.half(), (0, 0, 0, pad))
-            return padded.view(groups, lanes, nb).permute(0, 2, 1).contiguous()
-
-        self.packed = packed.contiguous()
-        self.pd = grouped(d)
-        self.pm = grouped(m) if m is not None else None
-        self.bias = bias.float().contiguous() if bias is not None else None
-        self.in_features, self.out_features = K, N
-        self.record = _Weights(_ptr(self.packed), _ptr(self.pd), _ptr(self.pm), _ptr(self.bias), N, K,
-                               int(m is not None))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the small-batch GEMM reads per forward (packed codes and scales)."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.pd, self.pm) if t is not None)
 
 
 class BlockKernels:
@@ -308,13 +98,13 @@ class BlockKernels:
         self._draft_layer = lib.tandem_draft_layer
         self._draft_chain = lib.tandem_draft_chain
         self._linear_argmax = lib.tandem_linear_argmax
-        self._linear_argmax.argtypes = [ctypes.POINTER(_LinearCall), ctypes.c_void_p, ctypes.c_void_p]
+        self._linear_argmax.argtypes = [ctypes.POINTER(LinearCall), ctypes.c_void_p, ctypes.c_void_p]
         self._linear_argmax.restype = None
         self._peak = lib.tandem_int8_peak
         self._peak.argtypes = [ctypes.c_int64, ctypes.c_int]
         self._peak.restype = ctypes.c_int64
-        for fn, args in ((self._linear, _LinearCall), (self._attend, _AttendArgs), (self._decoder, _DecoderArgs),
-                         (self._draft_layer, _DraftLayerArgs), (self._draft_chain, _DraftChainArgs)):
+        for fn, args in ((self._linear, LinearCall), (self._attend, AttendArgs), (self._decoder, DecoderArgs),
+                         (self._draft_layer, DraftLayerArgs), (self._draft_chain, DraftChainArgs)):
             fn.argtypes = [ctypes.POINTER(args)]
             fn.restype = None
 
@@ -356,8 +146,8 @@ class BlockKernels:
         if width != expected:
             raise ValueError(f"input rows have width {width}, the layer needs {expected}")
         y = torch.empty(n, w.out_features, dtype=torch.float32) if out is None else out
-        call = _LinearCall(ctypes.pointer(w.record), _ptr(x), n, width, transform, _ptr(norm_weight), eps,
-                           _ptr(residual), _ptr(y), torch.get_num_threads())
+        call = LinearCall(ctypes.pointer(w.record), ptr(x), n, width, transform, ptr(norm_weight), eps,
+                           ptr(residual), ptr(y), torch.get_num_threads())
         self._linear(ctypes.byref(call))
         return y
 
@@ -374,9 +164,9 @@ class BlockKernels:
         y = torch.empty(n, w.out_features, dtype=torch.float32)
         best = torch.empty(n, dtype=torch.int64)
         finite = torch.empty(n, dtype=torch.int32)
-        call = _LinearCall(ctypes.pointer(w.record), _ptr(x), n, width, transform, _ptr(norm_weight), eps,
-                           None, _ptr(y), torch.get_num_threads())
-        self._linear_argmax(ctypes.byref(call), _ptr(best), _ptr(finite))
+        call = LinearCall(ctypes.pointer(w.record), ptr(x), n, width, transform, ptr(norm_weight), eps,
+                           None, ptr(y), torch.get_num_threads())
+        self._linear_argmax(ctypes.byref(call), ptr(best), ptr(finite))
         return y, best, finite.bool()
 
     def attend(self, qkv: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -395,10 +185,10 @@ class BlockKernels:
         D = cos.shape[1]
         out = torch.empty(T, num_heads * D, dtype=torch.float32)
         pos, hi, key_off, keys = (None,) * 4 if tree is None else (tree.pos, tree.hi, tree.key_off, tree.keys)
-        args = _AttendArgs(
-            _ptr(qkv), T, num_heads, num_kv_heads, D, _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
-            _ptr(keys), _ptr(cos), _ptr(sin), _ptr(k_cache), _ptr(v_cache), v_cache.shape[2], window or 0, scale,
-            _ptr(out), torch.get_num_threads(), _ptr(q_norm), _ptr(k_norm), eps, _kv_half(k_cache, v_cache),
+        args = AttendArgs(
+            ptr(qkv), T, num_heads, num_kv_heads, D, ptr(seq), ptr(slot), ptr(pos), ptr(hi), ptr(key_off),
+            ptr(keys), ptr(cos), ptr(sin), ptr(k_cache), ptr(v_cache), v_cache.shape[2], window or 0, scale,
+            ptr(out), torch.get_num_threads(), ptr(q_norm), ptr(k_norm), eps, kv_half(k_cache, v_cache),
             None, None, None, int(keys_blocked),
         )
         self._attend(ctypes.byref(args))
@@ -415,11 +205,11 @@ class BlockKernels:
         out = torch.empty(T, num_heads * D, dtype=torch.float32)
         tree = rows.keys
         hi, key_off, keys = (None,) * 3 if tree is None else (tree.hi, tree.key_off, tree.keys)
-        k_ptrs, v_ptrs, capacity = _own_caches(caches)
-        args = _AttendArgs(
-            _ptr(qkv), T, num_heads, num_kv_heads, D, _ptr(rows.seq), _ptr(rows.slot), _ptr(rows.pos), _ptr(hi),
-            _ptr(key_off), _ptr(keys), _ptr(cos), _ptr(sin), None, None, 0, 0, scale, _ptr(out),
-            torch.get_num_threads(), None, None, 0.0, _kv_half(*caches[0]), k_ptrs, v_ptrs, _ptr(capacity),
+        k_ptrs, v_ptrs, capacity = own_caches(caches)
+        args = AttendArgs(
+            ptr(qkv), T, num_heads, num_kv_heads, D, ptr(rows.seq), ptr(rows.slot), ptr(rows.pos), ptr(hi),
+            ptr(key_off), ptr(keys), ptr(cos), ptr(sin), None, None, 0, 0, scale, ptr(out),
+            torch.get_num_threads(), None, None, 0.0, kv_half(*caches[0]), k_ptrs, v_ptrs, ptr(capacity),
         )
         self._attend(ctypes.byref(args))
         return out
@@ -428,18 +218,18 @@ class BlockKernels:
                 tree: "TreeKeys | None", k_cache: torch.Tensor, v_cache: torch.Tensor, shape: "DecoderShape",
                 capture: dict[int, torch.Tensor], keys_blocked: bool = False) -> None:
         """Run every decoder layer over x [T, H] in place (see block_matmul.cpp decoder_forward):
-        layers is a ctypes array of _DecoderLayer (decoder_layers builds it once per model);
+        layers is a ctypes array of DecoderLayerRecord (decoder_layers builds it once per model);
         v_cache [L, S, Hkv, M, D] float32 or float16, k_cache the same or, keys_blocked, in blocks of
         16 slots [L, S, Hkv, M / 16, D, 16] (KVCache.block_keys); capture {layer: [T, H] tensor}
         receives layer outputs."""
         pos, hi, key_off, keys = (None,) * 4 if tree is None else (tree.pos, tree.hi, tree.key_off, tree.keys)
         L = len(layers)
-        slots = (ctypes.c_void_p * L)(*[_ptr(capture.get(li)) for li in range(L)]) if capture else None
-        args = _DecoderArgs(
+        slots = (ctypes.c_void_p * L)(*[ptr(capture.get(li)) for li in range(L)]) if capture else None
+        args = DecoderArgs(
             layers, L, shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale,
-            shape.activation, _ptr(x), x.shape[0], _ptr(seq), _ptr(slot), _ptr(pos), _ptr(hi), _ptr(key_off),
-            _ptr(keys), _ptr(k_cache), _ptr(v_cache), v_cache.shape[3],
-            v_cache[0].numel(), slots, torch.get_num_threads(), _kv_half(k_cache, v_cache), int(keys_blocked),
+            shape.activation, ptr(x), x.shape[0], ptr(seq), ptr(slot), ptr(pos), ptr(hi), ptr(key_off),
+            ptr(keys), ptr(k_cache), ptr(v_cache), v_cache.shape[3],
+            v_cache[0].numel(), slots, torch.get_num_threads(), kv_half(k_cache, v_cache), int(keys_blocked),
         )
         self._decoder(ctypes.byref(args))
 
@@ -462,11 +252,11 @@ class BlockKernels:
         tree = rows.keys
         hi, key_off, keys = (None,) * 3 if tree is None else (tree.hi, tree.key_off, tree.keys)
         args, alive = self._draft_layer_args(layer, caches, logits is not None)
-        args.x, args.attn_in, args.attn_width, args.T = _ptr(x), _ptr(attn_in), attn_in.shape[1], x.shape[0]
-        args.seq, args.slot, args.pos = _ptr(rows.seq), _ptr(rows.slot), _ptr(rows.pos)
-        args.hi, args.key_off, args.keys = _ptr(hi), _ptr(key_off), _ptr(keys)
+        args.x, args.attn_in, args.attn_width, args.T = ptr(x), ptr(attn_in), attn_in.shape[1], x.shape[0]
+        args.seq, args.slot, args.pos = ptr(rows.seq), ptr(rows.slot), ptr(rows.pos)
+        args.hi, args.key_off, args.keys = ptr(hi), ptr(key_off), ptr(keys)
         if logits is not None:
-            args.head_index, args.head_rows, args.logits = _ptr(index), count, _ptr(logits)
+            args.head_index, args.head_rows, args.logits = ptr(index), count, ptr(logits)
         self._draft_layer(ctypes.byref(args))
         del alive
         return logits
@@ -484,129 +274,34 @@ class BlockKernels:
         width = int(chain.budget.max())
         tokens = torch.empty(R, width, dtype=torch.int64)
         args, alive = self._draft_layer_args(layer, caches, True)
-        call = _DraftChainArgs(args, R, _ptr(chain.feat), _ptr(chain.logits), _ptr(chain.slot0), _ptr(chain.pos0),
-                               _ptr(chain.budget), width, _ptr(chain.vocab_ids), _ptr(chain.embed), chain.embed_scale,
-                               _ptr(tokens))
+        call = DraftChainArgs(args, R, ptr(chain.feat), ptr(chain.logits), ptr(chain.slot0), ptr(chain.pos0),
+                               ptr(chain.budget), width, ptr(chain.vocab_ids), ptr(chain.embed), chain.embed_scale,
+                               ptr(tokens))
         self._draft_chain(ctypes.byref(call))
         del alive
         return tokens
 
     def _draft_layer_args(self, layer: "DraftLayer", caches: list[tuple[torch.Tensor, torch.Tensor]],
-                          with_head: bool) -> tuple["_DraftLayerArgs", tuple]:
+                          with_head: bool) -> tuple["DraftLayerArgs", tuple]:
         """The fields of a draft layer call that do not depend on its rows, and the objects
         they point into (kept alive by the caller until the call returns)."""
         shape = layer.shape
-        k_ptrs, v_ptrs, capacity = _own_caches(caches)
+        k_ptrs, v_ptrs, capacity = own_caches(caches)
         head = ctypes.pointer(layer.vocab.record) if with_head else None
-        args = _DraftLayerArgs(
-            ctypes.cast(layer.record, ctypes.POINTER(_DecoderLayer)), shape.hidden, shape.num_heads,
+        args = DraftLayerArgs(
+            ctypes.cast(layer.record, ctypes.POINTER(DecoderLayerRecord)), shape.hidden, shape.num_heads,
             shape.num_kv_heads, shape.head_dim, shape.eps, shape.scale, shape.activation, None, None, 0,
             layer.attn_transform, layer.attn_eps, 0, None, None, None, None, None, None, k_ptrs, v_ptrs,
-            _ptr(capacity), head, _ptr(layer.vocab_norm), layer.vocab_eps, None, 0, None, torch.get_num_threads(),
-            _kv_half(caches[0][0], caches[0][1]),
+            ptr(capacity), head, ptr(layer.vocab_norm), layer.vocab_eps, None, 0, None, torch.get_num_threads(),
+            kv_half(caches[0][0], caches[0][1]),
         )
         return args, (k_ptrs, v_ptrs, capacity, head)
 
 
-@dataclass(frozen=True)
-class DecoderShape:
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    scale: float
-    activation: int  # SWIGLU or GEGLU
-
-
-@dataclass(frozen=True)
-class LayerParts:
-    """One decoder layer as the native loop reads it; optional norms are None where the
-    architecture has none. The tensors must stay alive as long as the records built from them."""
-
-    qkv: BlockWeights
-    o: BlockWeights
-    gate_up: BlockWeights
-    down: BlockWeights
-    attn_norm: torch.Tensor | None  # None: a draft layer's attention input is used as it comes
-    mlp_norm: torch.Tensor
-    window: int | None
-    cos: torch.Tensor  # [P, D] this layer's rope table, sin sign-folded
-    sin: torch.Tensor
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    post_attn_norm: torch.Tensor | None = None
-    post_mlp_norm: torch.Tensor | None = None
-
-
-def decoder_layers(layers: list[LayerParts]) -> ctypes.Array:
-    """The native records of a model's layers, built once."""
-    return (_DecoderLayer * len(layers))(*[
-        _DecoderLayer(ctypes.pointer(p.qkv.record), ctypes.pointer(p.o.record), ctypes.pointer(p.gate_up.record),
-                      ctypes.pointer(p.down.record), _ptr(p.attn_norm), _ptr(p.mlp_norm), p.window or 0,
-                      _ptr(p.q_norm), _ptr(p.k_norm), _ptr(p.post_attn_norm), _ptr(p.post_mlp_norm),
-                      _ptr(p.cos), _ptr(p.sin))
-        for p in layers
-    ])
-
-
-@dataclass(frozen=True)
-class TreeKeys:
-    """What each of T tree tokens attends to, as int64 CPU tensors: rope position pos [T], the
-    committed prefix slots [lo, hi[t]), then slots keys[key_off[t]:key_off[t + 1]] (root first,
-    the node itself last). The key order is the one decoding the node's path token by token reads
-    after the path is gathered into contiguous slots, so the node's numbers match that decoding's."""
-
-    pos: torch.Tensor
-    hi: torch.Tensor
-    key_off: torch.Tensor
-    keys: torch.Tensor
-
-
-@dataclass(frozen=True)
-class DraftRows:
-    """Where the T rows of a draft layer call go, as int64 CPU tensors: seq [T] the request
-    (index into the call's caches), slot [T] the cache slot its key is written to, pos [T] its
-    rope position; keys: what each row attends to (TreeKeys, whose pos supersedes pos), or None
-    for slots [0, slot] of its own cache (a chain)."""
-
-    seq: torch.Tensor
-    slot: torch.Tensor
-    pos: torch.Tensor
-    keys: TreeKeys | None = None
-
-
-@dataclass(frozen=True)
-class DraftLayer:
-    """A draft head's decoder layer as tandem_draft_layer reads it: the layer record (one
-    _DecoderLayer; its attn_norm is the attention input's norm, used by attn_transform), and the
-    head's vocabulary projection with the norm before it, or None."""
-
-    record: ctypes.Array  # decoder_layers([LayerParts]): one record
-    shape: DecoderShape
-    attn_transform: int
-    attn_eps: float
-    vocab: BlockWeights | None
-    vocab_norm: torch.Tensor | None
-    vocab_eps: float
-
-
-@dataclass(frozen=True)
-class DraftChain:
-    """The inputs of a greedy draft chain over R requests (BlockKernels.draft_chain): feat
-    [R, H] and logits [R, V'] float32 of each request's last fed row, slot0/pos0/budget [R]
-    int64 (the first draft step's cache slot and position, the tokens to draft), vocab_ids [V']
-    int64 (draft index -> target id) or None, and the target's float32 embedding [V, H] with
-    its scale (1.0 where it has none)."""
-
-    feat: torch.Tensor
-    logits: torch.Tensor
-    slot0: torch.Tensor
-    pos0: torch.Tensor
-    budget: torch.Tensor
-    vocab_ids: torch.Tensor | None
-    embed: torch.Tensor
-    embed_scale: float
+def kernel_description() -> str:
+    """What runs the quantized linears here: the block-kernel variant or torch's kernels."""
+    k = block_kernels()
+    return f"tandem {k.variant}" if k is not None else "torch int4/int8"
 
 
 def _build(out: Path, flags: list[str], source: Path) -> None:
@@ -632,7 +327,7 @@ def load_variant(name: str, source: Path = SOURCE) -> BlockKernels:
     variant = next((v for v in VARIANTS if v.name == name), None)
     if variant is None:
         raise ValueError(f"unknown kernel variant {name!r}; known: {', '.join(VARIANT_NAMES)}")
-    isa = _compile_flags(variant, cpu_flags())
+    isa = compile_flags(variant, cpu_flags())
     if isa is None:
         raise ValueError(f"this CPU cannot run the {name} kernels")
     flags = [*COMMON_FLAGS, *isa, f"-DTANDEM_LANES={variant.lanes}"]
