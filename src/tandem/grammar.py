@@ -130,7 +130,7 @@ class GrammarState:
         the first refused token repeat the mask before it: verification never reads them, as
         that token's target probability is 0. The matcher ends where it began."""
         rows = [self.allowed()]
-        valid = self._matcher.validate_tokens(list(tokens)) if tokens else 0
+        valid = self.valid_prefix(tokens)
         for token in tokens[:valid]:
             self._matcher.consume_token(token)
             rows.append(self.allowed())

@@ -259,9 +259,10 @@ class Engine:
                 nodes = draft.token_ids
                 allowed = req.grammar.allowed_paths([[nodes[i] for i in path] for path in tree_paths(draft.parents)])
             elif req.grammar is not None:
-                if draft.probs is None:
-                    draft = drafts[b] = draft.truncated(req.grammar.valid_prefix(draft.token_ids))
-                allowed = req.grammar.allowed_along(draft.token_ids)[0]
+                allowed, valid = req.grammar.allowed_along(draft.token_ids)
+                if draft.probs is None and valid < len(draft):
+                    draft = drafts[b] = draft.truncated(valid)
+                    allowed = allowed[: valid + 1]
             shifts[b] = req.logit_shift(allowed, len(draft) + 1)
         return drafts, shifts
 

@@ -158,6 +158,10 @@ class Request:
     # With params.logit_bias: the bias as one [V] row, added to every row's logits.
     bias_row: torch.Tensor | None = None
 
+    def prompt_logprob_entries(self) -> list[TokenLogprob | None]:
+        """One per prompt token (params.prompt_logprobs), None for the first: nothing predicts it."""
+        return [None, *self.prompt_logprobs]
+
     def logit_shift(self, allowed: torch.Tensor | None, rows: int) -> torch.Tensor | None:
         """What to add to `rows` logit rows before anything else (sampling.shifted): -inf where
         the structured output refuses a token (allowed: [rows, V] bool from its grammar), plus
@@ -303,7 +307,7 @@ class Request:
             seconds=time.perf_counter() - self.arrival,
             token_origins=list(self.token_origins) if self.params.token_origins else None,
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
-            prompt_logprobs=[None, *self.prompt_logprobs] if self.params.prompt_logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprob_entries() if self.params.prompt_logprobs is not None else None,
         )
 
 

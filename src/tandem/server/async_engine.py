@@ -251,7 +251,7 @@ class AsyncEngine:
                           text_origins=u.text_origins, round=u.round, logprobs=u.logprobs)
             req = u.request
             if req.params.prompt_logprobs is not None and u.new_token_ids and len(req.output_ids) == len(u.new_token_ids):
-                delta.prompt_logprobs = [None, *req.prompt_logprobs]
+                delta.prompt_logprobs = req.prompt_logprob_entries()
             if reason == "error":
                 delta.error = "the model produced NaN or inf logits for this request; it was ended"
             if reason:
