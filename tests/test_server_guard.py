@@ -18,8 +18,9 @@ from conftest import ToyTokenizer, tiny_loaded
 from tandem.config import EngineConfig, ServerConfig
 from tandem.engine.engine import Engine
 from tandem.launch_server import add_serve_args, configs_from_args, serve_in_background
-from tandem.server.app import build_app, longest_token_chars
+from tandem.server.app import build_app
 from tandem.server.async_engine import AsyncEngine
+from tandem.server.context import longest_token_chars
 from tandem.server.metrics import ServerMetrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
