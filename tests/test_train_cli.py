@@ -9,6 +9,7 @@ import torch
 
 from conftest import build_tiny
 from tandem.cli import main
+from tandem.train.trainer import auto_precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +34,8 @@ def _argv(tiny_target, tmp_path, *extra):
     root, prompts = tiny_target
     return ["train", "--target", str(root), "--method", "medusa", "--prompts", str(prompts), "--out", str(tmp_path / "out"),
             "--data-dir", str(tmp_path / "data"), "--num-prompts", "12", "--held-out", "4", "--max-new-tokens", "8",
-            "--batch-size", "4", "--eval-every", "3", "--checkpoint-every", "3", "--num-heads", "2", "--lr", "1e-2", *extra]
+            "--batch-size", "4", "--eval-every", "3", "--checkpoint-every", "3", "--num-heads", "2", "--lr", "1e-2",
+            "--threads", "1", *extra]
 
 
 def test_train_cli_writes_a_loadable_head_and_resumes(tiny_target, tmp_path, capsys):
@@ -48,6 +50,8 @@ def test_train_cli_writes_a_loadable_head_and_resumes(tiny_target, tmp_path, cap
     assert record["method"] == "medusa" and record["training"]["steps_done"] == 6 and record["training"]["finished"]
     assert record["data"]["train_prompts"] == 12 and record["data"]["held_out_prompts"] == 4
     assert record["held_out"]["tau"] >= 1.0 and len(record["held_out"]["acceptance"]) == 5
+    assert record["training"]["precision"] == auto_precision("cpu")  # --precision auto, recorded as what ran
+    assert torch.get_num_threads() == 1  # --threads 1 held for every stage
     loaded = load_model(str(tiny_target[0]))
     head = load_head(out, TargetParts.from_loaded(loaded))
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)["head"]
@@ -69,6 +73,8 @@ def test_train_cli_reports_bad_input(tiny_target, tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--max-prompt-context", "-1")) == 2
     assert "--max-prompt-context" in capsys.readouterr().err
+    assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--threads", "0")) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
 
 
 def test_train_cli_transformers_backend_data_only_then_cached_answers(tiny_target, tmp_path, capsys):

@@ -7,14 +7,16 @@ import json
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from conftest import tiny_loaded
 from tandem.config import EngineConfig
-from tandem.drafters.heads.base import DraftHead, TargetParts, TrainBatch
+from tandem.drafters.heads.base import DraftHead, TargetParts, TrainBatch, target_logits
 from tandem.llm import LLM
 from tandem.train.capture import CapturedData, capture, sequences
 from tandem.train.data import DistillConfig, distill
-from tandem.train.trainer import EvalResult, TrainConfig, lr_factor, simulated_chain_tau, train
+from tandem.train import trainer
+from tandem.train.trainer import EvalResult, TrainConfig, auto_precision, lr_factor, simulated_chain_tau, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,6 +32,7 @@ class NextNextHead(DraftHead):
         self.L = cfg.num_layers
         self.proj = nn.Linear(cfg.hidden_size, cfg.vocab_size)
         self.drop = nn.Dropout(0.1)
+        self.logits_dtypes: set[torch.dtype] = set()  # what training_loss computed in
 
     @property
     def hidden_layers(self):
@@ -40,6 +43,7 @@ class NextNextHead(DraftHead):
 
     def training_loss(self, batch, target):
         logits = self._logits(batch)[:, :-1]
+        self.logits_dtypes.add(logits.dtype)
         mask = batch.loss_mask[:, 1:]  # position t + 1's next token (t + 2) is an answer token
         labels = batch.token_ids[:, 2:]
         loss = nn.functional.cross_entropy(logits[:, :-1][mask[:, :-1]], labels[mask[:, :-1]])
@@ -82,17 +86,23 @@ def _head(loaded, seed=0):
     return NextNextHead(loaded.config)
 
 
-def test_overfits_a_tiny_set(captured, tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
+def test_overfits_a_tiny_set(captured, tmp_path, precision):
     loaded, data, held = captured
     head = _head(loaded)
-    cfg = TrainConfig(steps=60, batch_size=4, lr=3e-2, eval_every=30, checkpoint_every=1000)
+    cfg = TrainConfig(steps=60, batch_size=4, lr=3e-2, eval_every=30, checkpoint_every=1000, precision=precision)
     batch = data.batch(*data.in_order(8)[0])
     first = float(head.training_loss(batch, _target(loaded))[0].detach())
+    head.logits_dtypes.clear()
     result = train(head, _target(loaded), data, held, cfg, tmp_path)
+    trained_in = set(head.logits_dtypes)
     head.eval()
     last = float(head.training_loss(batch, _target(loaded))[0].detach())
     assert result.finished and result.step == 60
     assert last < first / 4, (first, last)
+    # bf16-mixed: the loss was computed in bfloat16, the weights stayed float32
+    assert trained_in == {torch.bfloat16 if precision == "bf16-mixed" else torch.float32}
+    assert all(p.dtype == torch.float32 for p in head.parameters())
     metrics = json.loads((tmp_path / "metrics.json").read_text())["history"]
     evals = [h for h in metrics if "eval" in h]
     assert [h["step"] for h in evals] == [30, 60]
@@ -101,9 +111,10 @@ def test_overfits_a_tiny_set(captured, tmp_path):
     assert losses[-1] < losses[0]
 
 
-def test_resume_equals_an_uninterrupted_run(captured, tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
+def test_resume_equals_an_uninterrupted_run(captured, tmp_path, precision):
     loaded, data, held = captured
-    cfg = TrainConfig(steps=8, batch_size=3, lr=1e-2, eval_every=100, checkpoint_every=3)
+    cfg = TrainConfig(steps=8, batch_size=3, lr=1e-2, eval_every=100, checkpoint_every=3, precision=precision)
     whole = _head(loaded)
     train(whole, _target(loaded), data, None, cfg, tmp_path / "whole")
 
@@ -182,6 +193,26 @@ def test_lr_schedule_and_config_validation():
     assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
     assert factors[-1] == pytest.approx(0.1, abs=1e-3)
     for bad in (dict(steps=0), dict(lr=-1.0), dict(batch_size=0), dict(warmup_steps=2000), dict(device="tpu"),
-                dict(max_minutes=0.0)):
+                dict(max_minutes=0.0), dict(precision="fp16")):
         with pytest.raises(ValueError):
             TrainConfig(**bad)
+
+
+def test_auto_precision_is_bf16_mixed_only_on_a_cpu_with_amx_bf16(monkeypatch):
+    monkeypatch.setattr(trainer, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+    assert auto_precision("cpu") == "bf16-mixed"
+    assert auto_precision("cuda") == "float32"
+    monkeypatch.setattr(trainer, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert auto_precision("cpu") == "float32"
+
+
+def test_the_teachers_logits_stay_float32_under_bf16_autocast(captured):
+    loaded, data, _ = captured
+    target = TargetParts.from_loaded(loaded)
+    hidden = data.batch(*data.in_order(4)[0]).hidden[loaded.config.num_layers][0]
+    columns = torch.tensor([5, 1, 17, 40])
+    plain = target_logits(target, hidden, columns)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = target_logits(target, hidden, columns)
+        assert F.linear(hidden, target.lm_head_weight[columns]).dtype == torch.bfloat16  # autocast is on here
+    assert mixed.dtype == torch.float32 and torch.equal(plain, mixed)

@@ -20,7 +20,7 @@ from tandem.config import DEVICES, DTYPES, QUANTIZATIONS, SpecConfig
 from tandem.drafters.corpus import DEFAULT_CORPUS_TOKENS
 from tandem.drafters.heads.base import TargetParts
 from tandem.drafters.heads.io import build_head, load_head, read_head_config, save_head
-from tandem.llm import LLM
+from tandem.llm import LLM, configure_threads
 from tandem.model.catalogue import DEFAULT_MODEL
 from tandem.model.loader import LoadedModel, load_model
 from tandem.paths import cache_root
@@ -28,7 +28,7 @@ from tandem.train.capture import CapturedData, capture_in_memory, engine_forward
 from tandem.train.data import DistillConfig, PromptSplit, distill, load_prompts
 from tandem.train.hf_backend import distill_hf, hf_forward_factory, load_hf_target
 from tandem.train.suffix_corpus import export_corpus
-from tandem.train.trainer import CHECKPOINT, TrainConfig, TrainResult, calibrate, train
+from tandem.train.trainer import CHECKPOINT, PRECISIONS, TrainConfig, TrainResult, auto_precision, calibrate, train
 
 log = logging.getLogger("tandem.train")
 
@@ -83,6 +83,9 @@ def _add_optimisation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--max-minutes", type=float, default=None, help="wall-time budget of this run (then checkpoint)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimiser step")
+    p.add_argument("--precision", default="auto", choices=("auto",) + PRECISIONS,
+                   help="bf16-mixed: the loss under bfloat16 autocast, weights and optimiser state in float32; "
+                        "auto: bf16-mixed on a CPU with AMX bf16, float32 elsewhere")
     p.add_argument("--max-prompt-context", type=int, default=128,
                    help="prompt tokens kept before each answer in training batches (the loss is on answers; "
                         "long prompts would pad every row of their batch); 0 = the whole prompt")
@@ -110,6 +113,8 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
                         "for a GPU with room for tokens x layers x hidden x 2 bytes); --data-only then caches the "
                         "answers only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of every stage (default: all cores); give two runs side by side 1 each")
     p.add_argument("--corpus-tokens", type=int, default=DEFAULT_CORPUS_TOKENS,
                    help="--method suffix: the answer tokens the corpus keeps (the first training answers)")
     p.add_argument("--capture-layers", type=int, nargs="*", default=[],
@@ -170,9 +175,11 @@ def cmd_train(args) -> int:
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         eval_k=args.eval_k, max_minutes=args.max_minutes, seed=args.seed, device=args.device,
+        precision=auto_precision(args.device) if args.precision == "auto" else args.precision,
     )
     options = method_options(args)
     backend = _check_train_args(args, options)
+    configure_threads(args.threads)
     files = [Path(f) for f in args.prompts] if args.prompts else default_prompt_files()
     split = load_prompts(files, num_prompts=args.num_prompts, held_out=args.held_out, seed=args.seed)
     deadline = None if args.max_data_minutes is None else time.monotonic() + 60 * args.max_data_minutes
@@ -260,6 +267,8 @@ def _check_train_args(args, options: dict) -> str:
     if args.method == "suffix" and (args.init_from or args.resume or args.capture_in_memory):
         raise ValueError("--method suffix writes a corpus of answers: there is no head to --init-from, --resume "
                          "or capture for")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1 (or left out for all cores), got {args.threads}")
     if args.corpus_tokens < 1:
         raise ValueError(f"--corpus-tokens must be >= 1, got {args.corpus_tokens}")
     if args.init_from:
@@ -284,7 +293,7 @@ def _distill_tandem(args, split: PromptSplit, deadline: float | None):
     verified against. Returns (loaded target, the model of the capture forwards, distillation
     config, answers directory, held-out records, training records)."""
     batch = args.generation_batch or 32
-    llm = LLM(args.target, device=args.device, max_num_seqs=batch, max_model_len=1024)
+    llm = LLM(args.target, device=args.device, max_num_seqs=batch, max_model_len=1024, threads=args.threads)
     loaded = llm.loaded
     dcfg = DistillConfig(target=loaded.name, quantization=loaded.quantization, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, seed=args.seed)

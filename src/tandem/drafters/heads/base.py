@@ -275,7 +275,13 @@ def target_logits(target: TargetParts, hidden: torch.Tensor, columns: torch.Tens
 
     columns: only these vocabulary ids ([N, len(columns)], in that order), from the matching
     rows of lm_head_weight: a reduced draft vocabulary costs its own size, not the target's.
+    Always float32: under a bf16-mixed training step the teacher's logits are not rounded.
     """
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _target_logits(target, hidden, columns)
+
+
+def _target_logits(target: TargetParts, hidden: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
     if columns is None:
         if not len(hidden):
             return hidden.new_zeros(0, target.config.vocab_size)
