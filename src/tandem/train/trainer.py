@@ -34,8 +34,8 @@ PRECISIONS = ("float32", "bf16-mixed")
 
 def auto_precision(device: str) -> str:
     """The precision `--precision auto` trains in: bf16-mixed on a CPU with AMX bf16 tiles, where
-    torch's oneDNN matmuls run on them (a DFlash step about 1.6x faster on two threads of a Xeon
-    and 1.8x on one, see docs/training.md), float32 elsewhere (not measured to pay, so not chosen for the user)."""
+    torch's oneDNN matmuls run on them (a DFlash step about 1.6x faster on one or two threads of a
+    Xeon, see docs/training.md), float32 elsewhere (not measured to pay, so not chosen for the user)."""
     return "bf16-mixed" if device == "cpu" and "amx_bf16" in cpu_flags() else "float32"
 
 
