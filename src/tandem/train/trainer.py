@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.drafters.heads.base import DraftHead, TargetParts
-from tandem.model.kernels.cpu import cpu_flags
+from tandem.model.kernels import cpu_flags
 from tandem.train.capture import CapturedData
 
 log = logging.getLogger("tandem.train")
