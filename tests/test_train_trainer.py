@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from conftest import tiny_loaded
 from tandem.config import EngineConfig
-from tandem.drafters.heads.base import DraftHead, TargetParts, TrainBatch, target_logits
+from tandem.drafters.heads.base import DraftHead, TargetParts, TrainBatch, target_logits, top1_agrees
 from tandem.llm import LLM
 from tandem.train.capture import CapturedData, capture, sequences
 from tandem.train.data import DistillConfig, distill
@@ -216,3 +216,24 @@ def test_the_teachers_logits_stay_float32_under_bf16_autocast(captured):
         mixed = target_logits(target, hidden, columns)
         assert F.linear(hidden, target.lm_head_weight[columns]).dtype == torch.bfloat16  # autocast is on here
     assert mixed.dtype == torch.float32 and torch.equal(plain, mixed)
+
+
+def test_top1_agreement_is_argmax_agreement_ties_included():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 300).bfloat16()
+    logits[:8] = 0.0  # every index ties: argmax takes the first
+    logits[8:16, 40:50] = 9.0  # a tie at the top of each row
+    reference = torch.softmax(torch.randn(64, 300), dim=-1)
+    reference[:4, 0] = 1.0  # agrees with the all-tied rows' first index
+    reference[8:12, 40] = 2.0
+    reference[12:16, 45] = 2.0  # ties with the head at 45, but the head's argmax is 40
+    expected = (logits.argmax(-1) == reference.argmax(-1)).float()
+    assert torch.equal(top1_agrees(logits, reference), expected)
+    assert expected[:4].all() and expected[8:12].all() and not expected[12:16].any()
+
+
+def test_the_optimiser_is_fused_on_a_cpu(captured):
+    loaded, _, _ = captured
+    head = NextNextHead(loaded.config)
+    _, _, optim, _ = trainer._prepare(head, TargetParts.from_loaded(loaded), TrainConfig(steps=2), torch.device("cpu"))
+    assert optim.defaults["fused"] is True

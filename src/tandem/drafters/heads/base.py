@@ -332,6 +332,13 @@ def target_argmax(batch: TrainBatch, target: TargetParts) -> torch.Tensor:
     return out.reshape(B, T)
 
 
+def top1_agrees(logits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """[N] float, 1 where a row of `logits` and the same row of `reference` (logits or
+    probabilities) have the same argmax: the head's top-1 is the teacher's (a training metric).
+    max(-1).indices is argmax's first index of the largest value, in half argmax's time on a CPU."""
+    return (logits.detach().max(-1).indices == reference.detach().max(-1).indices).float()
+
+
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """[N] cross-entropy of log_softmax(logits) against target probabilities `probs`."""
     return -(probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)

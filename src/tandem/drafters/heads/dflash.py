@@ -40,6 +40,7 @@ from tandem.drafters.heads.base import (
     register_head,
     soft_cross_entropy,
     target_argmax,
+    top1_agrees,
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.drafters.heads.eagle import shift_left
@@ -208,7 +209,7 @@ class DFlashHead(FusedLayersVocab, DraftHead):
         ce = soft_cross_entropy(picked, p)
         loss = (weights * ce).sum() / weights.sum()
         metrics = {"loss": float(loss.detach())}
-        hits = (picked.argmax(-1) == p.argmax(-1)).float()
+        hits = top1_agrees(picked, p)
         for pos in range(1, min(self.block_size, 5)):
             sel = jj == pos - 1
             if sel.any():

@@ -34,6 +34,7 @@ from tandem.drafters.heads.base import (
     register_head,
     target_argmax,
     target_logits,
+    top1_agrees,
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.model.arch import ModelConfig
@@ -125,7 +126,7 @@ class DraftModelHead(DraftHead):
             log_q = torch.log_softmax(self.logits(hc, target), dim=-1)
             kls.append((lpc.exp() * (lpc - log_q)).sum(-1))
         kl = masked_mean(torch.cat(kls), valid) if kls else h.new_zeros(())
-        top1 = float(masked_mean((self.logits(h.detach(), target).argmax(-1) == log_p.argmax(-1)).float(), valid))
+        top1 = float(masked_mean(top1_agrees(self.logits(h.detach(), target), log_p), valid))
         return kl, {"loss": float(kl.detach()), "kl": float(kl.detach()), "top1": top1}
 
     @torch.no_grad()

@@ -45,6 +45,7 @@ from tandem.drafters.heads.base import (
     register_head,
     soft_cross_entropy,
     target_argmax,
+    top1_agrees,
 )
 from tandem.drafters.heads.dflash import EVAL_BLOCKS, DFlashHead
 from tandem.drafters.heads.eagle import shift_left
@@ -147,7 +148,7 @@ class DSparkHead(DFlashHead):
         loss = (weights * per).sum() / weights.sum()
         metrics = {"loss": float(loss.detach()), "ce": float(ce.detach().mean()),
                    "tv": float(tv.detach().mean()), "bce": float(bce.detach().mean())}
-        hits = (logits.argmax(-1) == p.argmax(-1)).float()
+        hits = top1_agrees(logits, p)
         for pos in range(min(S, 4)):
             sel = jj == pos
             if sel.any():

@@ -25,6 +25,7 @@ from tandem.drafters.heads.base import (
     masked_targets,
     register_head,
     soft_cross_entropy,
+    top1_agrees,
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.drafters.heads.eagle import FeatureHead, graded_starts, shift_left
@@ -205,7 +206,7 @@ class Eagle3Head(FusedLayersVocab, FeatureHead):
             w = self.step_decay**s
             total, weights = total + w * step_loss, weights + w
             metrics[f"loss_step{s}"] = float(step_loss.detach())
-            metrics[f"top1_step{s}"] = float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), valid))
+            metrics[f"top1_step{s}"] = float(masked_mean(top1_agrees(logits, p), valid))
         loss = total / max(weights, 1e-9)
         metrics["loss"] = float(loss.detach())
         return loss, metrics

@@ -24,6 +24,7 @@ from tandem.drafters.heads.base import (
     register_head,
     soft_cross_entropy,
     target_argmax,
+    top1_agrees,
 )
 from tandem.model.arch import ModelConfig
 
@@ -101,7 +102,7 @@ class MedusaHead(DraftHead):
             w = HEAD_DECAY**i
             total, weights = total + w * loss_i, weights + w
             metrics[f"loss_head{i}"] = float(loss_i.detach())
-            metrics[f"top1_head{i}"] = float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), valid))
+            metrics[f"top1_head{i}"] = float(masked_mean(top1_agrees(logits, p), valid))
         loss = total / weights
         metrics["loss"] = float(loss.detach())
         return loss, metrics

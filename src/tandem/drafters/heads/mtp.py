@@ -25,6 +25,7 @@ from tandem.drafters.heads.base import (
     register_head,
     soft_cross_entropy,
     target_argmax,
+    top1_agrees,
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.drafters.heads.eagle import shift_left
@@ -116,7 +117,7 @@ class MTPHead(DraftHead):
             w = self.module_decay ** (k - 1)
             total, weights = total + w * loss_k, weights + w
             metrics[f"loss_module{k}"] = float(loss_k.detach())
-            metrics[f"top1_module{k}"] = float((logits.argmax(-1) == p.argmax(-1)).float().mean())
+            metrics[f"top1_module{k}"] = float(top1_agrees(logits, p).mean())
         loss = total / max(weights, 1e-9)
         metrics["loss"] = float(loss.detach())
         return loss, metrics
