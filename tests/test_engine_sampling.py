@@ -405,8 +405,8 @@ def test_sampled_output_follows_the_target_under_the_adaptive_policy(noisy_draft
     joint law of (t1, t2, t3) over all 4032 requests and within each wave size (1344 each: the
     lengths differ between them and each must be lossless on its own), and the mean p checks.
     Power: the negative control below (TV ~0.05 on t2 where it drafts) fails with 3200
-    requests at p ~ 1e-13 (with 1600 its p-value ranged from 1e-7 to 1e-4 with the random
-    stream, around the 2.5e-5 threshold)."""
+    requests at p ~ 1e-13 (with 1600 its p-value was 1e-7 on torch.multinomial's random
+    stream and 1e-4 on the inverse CDF's, either side of the 2.5e-5 threshold)."""
     reqs, sizes, engine, chosen = run_adaptive(list(WAVES) * ADAPTIVE_CYCLES)
     # The policy varied the length: with room for 2 drafts it chose 0, 1 and 2, each often.
     at_full_room = {k: n for (limit, k), n in chosen.items() if limit == 2}

@@ -144,8 +144,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row of [N, V] probabilities (unnormalised is fine) -> [N] token ids.
 
     By the inverse of the cumulative distribution: one uniform u per row, and the first token whose
-    cumulative probability exceeds u times the row's total. The sums are float64, so no token's
-    share moves by more than about 1e-16; a token of probability 0 is never drawn. One uniform per
+    cumulative probability exceeds u times the row's total. The sums are float64, so rounding
+    moves no token's share by more than about 1e-11 even over 262k tokens; a token of probability
+    0 is never drawn. One uniform per
     row instead of torch.multinomial's work over the whole vocabulary: about 0.08 ms against 1.0 ms
     for SmolLM2's 49,152 tokens on a CPU."""
     if generator.device.type != probs.device.type:
