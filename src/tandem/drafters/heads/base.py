@@ -36,6 +36,7 @@ from torch import nn
 
 from tandem.drafters import registry
 from tandem.model.arch import ModelConfig
+from tandem.sampling import row_argmax
 
 # Rows of target logits materialised at once (49k-vocab fp32 logits: 1024 rows = 200 MB).
 LOGIT_CHUNK = 1024
@@ -334,9 +335,8 @@ def target_argmax(batch: TrainBatch, target: TargetParts) -> torch.Tensor:
 
 def top1_agrees(logits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """[N] float, 1 where a row of `logits` and the same row of `reference` (logits or
-    probabilities) have the same argmax: the head's top-1 is the teacher's (a training metric).
-    max(-1).indices is argmax's first index of the largest value, in half argmax's time on a CPU."""
-    return (logits.detach().max(-1).indices == reference.detach().max(-1).indices).float()
+    probabilities) have the same argmax: the head's top-1 is the teacher's (a training metric)."""
+    return (row_argmax(logits) == row_argmax(reference)).float()
 
 
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
