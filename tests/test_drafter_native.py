@@ -246,6 +246,71 @@ def test_a_native_chain_drafts_what_native_steps_draft():
         assert torch.equal(cache.k[:, fed], ref.k[:, fed]) and torch.equal(cache.v[:, fed], ref.v[:, fed])
 
 
+def stepped_tree(native, feat, logits, cache, position, topk, depth, vocab_ids, embed, scale):
+    """What NativeBlock.tree does, one native step per level from Python (EagleDrafter's loop on
+    the native path): (tokens, parents, scores)."""
+    tokens, parents, scores, slot_of = [], [], [], {}
+    prefix, length = cache.length, cache.length
+    frontier, frontier_scores, feats = [-1], torch.zeros(1), feat.view(1, -1)
+    for d in range(1, depth + 1):
+        if not torch.isfinite(logits).all():
+            break
+        k = min(topk, logits.shape[-1])
+        logp, ids = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        child_scores = (frontier_scores[:, None] + logp).flatten()
+        first = len(tokens)
+        for n, (i, score) in enumerate(zip(ids.flatten().tolist(), child_scores.tolist())):
+            tokens.append(int(vocab_ids[i]))
+            parents.append(frontier[n // k])
+            scores.append(score)
+        if d == depth:
+            break
+        best = child_scores.topk(min(topk, len(child_scores))).indices
+        expand = [first + int(i) for i in best]
+        for j, n in enumerate(expand):
+            slot_of[n] = cache.length + j
+        paths = []
+        for n in expand:
+            path, node = [], n
+            while node >= 0:
+                path.append(slot_of[node])
+                node = parents[node]
+            paths.append(path[::-1])
+        fed = feats[torch.div(best, k, rounding_mode="floor")]
+        raw = torch.cat([embed[[tokens[n] for n in expand]] * scale, fed], dim=-1).unsqueeze(0)
+        positions = torch.full((1, len(expand)), position + d - 1)
+        out, logits = native.step(fed.unsqueeze(0), raw, positions, [cache],
+                                  masks=[path_keys(prefix, paths, positions[0])], logits="all")
+        feats, frontier, frontier_scores = out[0], expand, child_scores[best]
+    cache.truncate(length)
+    return tokens, parents, scores
+
+
+@pytest.mark.parametrize("topk, depth", [(2, 4), (3, 3), (4, 1)])
+def test_a_native_tree_grows_what_native_steps_grow(topk, depth):
+    """NativeBlock.tree (an EAGLE-2 tree in one call) gives the nodes, parents and (within
+    rounding of the log-softmax) scores of the same levels stepped from Python, writes the same
+    scratch keys and leaves the cache's length alone; root logits holding a NaN draft nothing."""
+    native, embed, vocab_ids = eagle3_chain_parts(11)
+    H = parts().config.hidden_size
+    cache = filled_caches_wide(native.block, 7, 2)[0]
+    stepped = copy.deepcopy(cache)
+    torch.manual_seed(topk * 10 + depth)
+    feat, logits = torch.randn(H), torch.randn(96) * 3
+    with torch.no_grad():
+        expected = stepped_tree(native, feat, logits, stepped, 7, topk, depth, vocab_ids, embed, 1.5)
+        got = native.tree(feat, logits, cache, 7, topk, depth, vocab_ids, embed, 1.5)
+        assert got[:2] == expected[:2]
+        torch.testing.assert_close(torch.tensor(got[2]), torch.tensor(expected[2]), rtol=1e-5, atol=1e-5)
+        assert len(got[0]) == topk + (depth - 1) * topk * topk
+        assert cache.length == 7
+        fed = slice(7, 7 + (depth - 1) * topk)
+        assert torch.equal(cache.k[:, fed], stepped.k[:, fed]) and torch.equal(cache.v[:, fed], stepped.v[:, fed])
+        broken = logits.clone()
+        broken[3] = float("nan")
+        assert native.tree(feat, broken, cache, 7, topk, depth, vocab_ids, embed, 1.5) == ([], [], [])
+
+
 def test_a_trees_paths_as_keys_equal_them_as_a_mask():
     """A frontier's visibility given as path_keys (the prefix, then each node's path) computes
     what the same visibility as path_mask does, bit for bit."""

@@ -316,3 +316,36 @@ def test_the_reference_copy_passes_without_its_bug():
     """The copy the negative controls break is itself correct: what fails above is the bug."""
     checks = node_checks(simulate_tree(reference_verify_tree, trials=TREE_TRIALS // 2, seed=8))
     assert all(passed for passed, _ in checks.values()), "\n".join(d for _, d in checks.values())
+
+
+def test_greedy_tree_fast_path_commits_what_the_dense_rule_commits():
+    """grading.grade_greedy_tree (greedy, no penalty: no probability rows) against verify_tree
+    over processed_probs' one-hot rows, on logits full of ties, random trees with duplicate
+    siblings, a shift that refuses tokens; a NaN row raises."""
+    from tandem.config import SamplingParams
+    from tandem.sampling import processed_probs
+    from tandem.verify.grading import grade_greedy_tree
+
+    gen = torch.Generator().manual_seed(4)
+    depths = set()
+    for trial in range(300):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        parents = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]
+        logits = torch.randint(0, 3, (n + 1, V), generator=gen).float()  # ties in most rows
+        best = logits.argmax(-1)
+        tokens = [int(best[p + 1]) if torch.rand(1, generator=gen) < 0.6 else int(torch.randint(0, V, (1,), generator=gen))
+                  for p in parents]
+        shift = None
+        if trial % 3 == 0:
+            shift = torch.zeros(n + 1, V)
+            shift[:, int(torch.randint(0, V, (1,), generator=gen))] = float("-inf")
+        draft = Draft(tokens, parents=parents)
+        probs = processed_probs(logits, SamplingParams(temperature=0.0), shift=shift)
+        dense = verify_tree(probs, tokens, parents, None, greedy=True)
+        assert grade_greedy_tree(logits, draft, shift) == (dense.tokens, dense.path)
+        depths.add(len(dense.path))
+    assert len(depths) >= 4  # paths of several depths, not only the root's bonus
+    bad = torch.zeros(3, V)
+    bad[2, 1] = float("nan")
+    with pytest.raises(NonFiniteLogitsError):
+        grade_greedy_tree(bad, Draft([0, 0], parents=[-1, 0]))

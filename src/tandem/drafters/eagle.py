@@ -18,7 +18,8 @@ tokens form depth 1; at each further depth the K nodes with the highest path log
 (draft confidence) are fed through the layer at once, each seeing the prefix and its own path,
 and each gets its top K children; finally the num_draft_tokens most likely nodes are kept. The
 children are the head's top-k, so the tree is deterministic (no q), which the tree verifier
-grades losslessly under greedy and sampling alike.
+grades losslessly under greedy and sampling alike. On the block kernels (an EAGLE-3 head with
+its own vocabulary) every level after the catch-up runs in one native call (NativeBlock.tree).
 """
 
 from __future__ import annotations
@@ -120,14 +121,18 @@ class EagleDrafter(HeadDrafter):
             drafts[rows[j]] = make_draft(tokens[j], qs[j])
         return drafts
 
-    def _chains_natively(self, inputs: list[DraftInput], seen: list[torch.Tensor | None]) -> bool:
-        """Whether these requests' chains run as one native call: greedy without a repetition
-        penalty (argmax drafts, no q), on a head with its own vocabulary on the kernels whose
-        layer input is [embedding | feature] (EAGLE-3), and a float32 target embedding."""
+    def _drafts_natively(self) -> bool:
+        """Whether the head's steps can run in one native call per round: a head with its own
+        vocabulary on the kernels whose layer input is [embedding | feature] (EAGLE-3), and a
+        float32 target embedding on the CPU."""
         table = self.parts.embed_table
         return (self.native is not None and self.native.has_vocab and self.head.input_is_embedding_and_feature
-                and table is not None and table.dtype == torch.float32 and table.device.type == "cpu"
-                and all(inp.params.greedy and s is None for inp, s in zip(inputs, seen)))
+                and table is not None and table.dtype == torch.float32 and table.device.type == "cpu")
+
+    def _chains_natively(self, inputs: list[DraftInput], seen: list[torch.Tensor | None]) -> bool:
+        """Whether these requests' chains run as one native call: _drafts_natively, and greedy
+        without a repetition penalty (argmax drafts, no q)."""
+        return self._drafts_natively() and all(inp.params.greedy and s is None for inp, s in zip(inputs, seen))
 
     def _propose_tree(self, inp: DraftInput, size: int) -> Draft:
         """One request's EAGLE-2 tree of at most `size` nodes (see the module docstring)."""
@@ -135,6 +140,10 @@ class EagleDrafter(HeadDrafter):
         depth = min(self.spec.max_draft_len, inp.max_draft_tokens)
         cache = self._catch_up_cache(inp)
         feats, logits = self._catch_up([inp], [cache])  # [1, H], [1, V']
+        if self._drafts_natively():  # every level in one native call (the loop below, in C++)
+            tokens, parents, scores = self.native.tree(feats[0], logits[0], cache, len(inp.token_ids) - 1, topk, depth,
+                                                       self.draft_ids, self.parts.embed_table, self.parts.embed_scale)
+            return best_subtree(tokens, parents, scores, size)
         prefix = cache.length
         tokens: list[int] = []
         parents: list[int] = []

@@ -20,7 +20,7 @@ from tandem.sampling import NonFiniteLogitsError, all_finite, processed_probs, r
 from tandem.types import Draft, GreedyRows
 from tandem.verify.chain import verify_chain
 from tandem.verify.paths import tree_paths
-from tandem.verify.tree import verify_tree
+from tandem.verify.tree import children_of, verify_tree
 
 
 def grade_round(
@@ -54,12 +54,14 @@ def grade_round(
     """
     if not draft.token_ids:
         return [sample_plain(logits, params, context, generator, num_prompt_tokens, shift, greedy)], []
-    if params.greedy and not params.penalized and not draft.is_tree:
+    if draft.is_tree and draft.probs is not None:
+        raise ValueError("tree drafts must be deterministic (top-k children); sampled trees are not supported")
+    if params.greedy and not params.penalized:
+        if draft.is_tree:
+            return grade_greedy_tree(logits, draft, shift, greedy)
         return grade_greedy_chain(logits, draft.token_ids, shift, greedy)
     probs = target_probs(logits, draft, params, context, num_prompt_tokens, shift)
     if draft.is_tree:
-        if draft.probs is not None:
-            raise ValueError("tree drafts must be deterministic (top-k children); sampled trees are not supported")
         result = verify_tree(probs, draft.token_ids, draft.parents, generator, params.greedy)
         return result.tokens, result.path
     result = verify_chain(
@@ -82,20 +84,44 @@ def grade_greedy_chain(logits: torch.Tensor, drafted: Sequence[int],
     next row (of its shifted logits, with a structured output or a logit bias). The same tokens verify_chain
     commits for greedy rows, at a fraction of the cost (no [n + 1, V] probability rows). Raises
     NonFiniteLogitsError on NaN or inf in any row."""
-    n = len(drafted) + 1
-    if greedy is not None and shift is None:  # found by the LM head: the rows need not be read again
-        if not bool(greedy.finite[:n].all()):
-            raise NonFiniteLogitsError("the model produced NaN or inf logits")
-        best = greedy.argmax[:n].tolist()
-    else:
-        rows = logits[:n]
-        if not all_finite(rows):
-            raise NonFiniteLogitsError("the model produced NaN or inf logits")
-        best = row_argmax(shifted(rows, None if shift is None else shift[:n])).tolist()
+    best = _greedy_tokens(logits, len(drafted) + 1, shift, greedy)
     accepted = 0
     while accepted < len(drafted) and drafted[accepted] == best[accepted]:
         accepted += 1
     return [*drafted[:accepted], best[accepted]], list(range(accepted))
+
+
+def grade_greedy_tree(logits: torch.Tensor, draft: Draft, shift: torch.Tensor | None = None,
+                      greedy: GreedyRows | None = None) -> tuple[list[int], list[int]]:
+    """The greedy tree rule without building p: from the root, follow the first child (in draft
+    order) whose token is the argmax of its parent's row, then commit the argmax of the last
+    row reached. The tokens and path verify_tree gives greedy rows, without [N + 1, V]
+    probability rows. Raises NonFiniteLogitsError on NaN or inf in any row."""
+    best = _greedy_tokens(logits, len(draft) + 1, shift, greedy)
+    children = children_of(draft.parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        want = best[node + 1]
+        node = next((c for c in children[node + 1] if draft.token_ids[c] == want), None)
+        if node is None:
+            return [draft.token_ids[i] for i in path] + [want], path
+        path.append(node)
+
+
+def _greedy_tokens(logits: torch.Tensor, n: int, shift: torch.Tensor | None,
+                   greedy: GreedyRows | None) -> list[int]:
+    """The argmax of each of the first n rows (of their shifted logits where a shift is given;
+    ties: the first index, as the one-hot p of processed_probs). Raises NonFiniteLogitsError
+    on NaN or inf in any of them."""
+    if greedy is not None and shift is None:  # found by the LM head: the rows need not be read again
+        if not bool(greedy.finite[:n].all()):
+            raise NonFiniteLogitsError("the model produced NaN or inf logits")
+        return greedy.argmax[:n].tolist()
+    rows = logits[:n]
+    if not all_finite(rows):
+        raise NonFiniteLogitsError("the model produced NaN or inf logits")
+    return row_argmax(shifted(rows, None if shift is None else shift[:n])).tolist()
 
 
 def sample_plain(

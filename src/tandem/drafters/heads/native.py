@@ -192,6 +192,22 @@ class NativeBlock:
         tokens = self.kernels.draft_chain(layer, chain, [(c.k, c.v) for c in caches])
         return [[t for t in row if t >= 0] for row in tokens.tolist()]
 
+    def tree(self, feat: torch.Tensor, logits: torch.Tensor, cache: RowCache, position: int, topk: int, depth: int,
+             vocab_ids: torch.Tensor | None, embed: torch.Tensor, embed_scale: float) -> tuple[list[int], list[int], list[float]]:
+        """One request's EAGLE-2 tree in one native call (kernels.draft_tree), for the layers
+        `chain` serves: from feat [H] and logits [V'] of its last fed row, `depth` levels of the
+        top-`topk` children of every frontier node, the `topk` most likely new nodes fed through
+        the layer at once at position + level - 1, each seeing the cache and its own path.
+        Returns the nodes (target ids), their parents (-1: the root) and path log-probabilities,
+        as EagleDrafter's loop builds them; the levels' keys are scratch after `length`, which
+        does not move."""
+        layer = self._tables(position + depth + 1)
+        cache.reserve(max(depth - 1, 0) * topk)
+        return self.kernels.draft_tree(layer, feat.float().contiguous(), logits.float().contiguous(), (cache.k, cache.v),
+                                       topk, depth, cache.length, position,
+                                       None if vocab_ids is None else vocab_ids.to(torch.int64).contiguous(), embed,
+                                       float(embed_scale))
+
     def write_keys(self, attn_in: torch.Tensor, positions: torch.Tensor, counts: list[int], caches: list[RowCache],
                    norm: torch.nn.RMSNorm | None = None) -> None:
         """Append the keys and values of rows attn_in [N, Din] at positions [N] to the caches,

@@ -59,6 +59,7 @@ from tandem.model.kernels.records import (
     DraftLayer,
     DraftLayerArgs,
     DraftRows,
+    DraftTreeArgs,
     LayerParts,
     LinearCall,
     TreeKeys,
@@ -97,6 +98,7 @@ class BlockKernels:
         self._decoder = lib.tandem_decoder_forward
         self._draft_layer = lib.tandem_draft_layer
         self._draft_chain = lib.tandem_draft_chain
+        self._draft_tree = lib.tandem_draft_tree
         self._linear_argmax = lib.tandem_linear_argmax
         self._linear_argmax.argtypes = [ctypes.POINTER(LinearCall), ctypes.c_void_p, ctypes.c_void_p]
         self._linear_argmax.restype = None
@@ -104,7 +106,8 @@ class BlockKernels:
         self._peak.argtypes = [ctypes.c_int64, ctypes.c_int]
         self._peak.restype = ctypes.c_int64
         for fn, args in ((self._linear, LinearCall), (self._attend, AttendArgs), (self._decoder, DecoderArgs),
-                         (self._draft_layer, DraftLayerArgs), (self._draft_chain, DraftChainArgs)):
+                         (self._draft_layer, DraftLayerArgs), (self._draft_chain, DraftChainArgs),
+                         (self._draft_tree, DraftTreeArgs)):
             fn.argtypes = [ctypes.POINTER(args)]
             fn.restype = None
 
@@ -280,6 +283,30 @@ class BlockKernels:
         self._draft_chain(ctypes.byref(call))
         del alive
         return tokens
+
+    def draft_tree(self, layer: "DraftLayer", feat: torch.Tensor, logits: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                   topk: int, depth: int, prefix: int, pos0: int, vocab_ids: torch.Tensor | None, embed: torch.Tensor,
+                   embed_scale: float) -> tuple[list[int], list[int], list[float]]:
+        """One request's EAGLE-2 tree in one call (block_matmul.cpp draft_tree), for the layers
+        draft_chain serves: from feat [H] and logits [V'] of its last fed row, `depth` levels of
+        top-`topk` children, the `topk` best of each level fed through the layer at position
+        pos0 + level - 1, writing their keys from slot `prefix` on (the cache must have room
+        for (depth - 1) * topk more) and seeing slots [0, prefix) and their own paths. Returns
+        the nodes' target ids, parents (-1: the root) and path log-probabilities."""
+        if layer.vocab is None:
+            raise ValueError("a draft tree needs a layer with its vocabulary head")
+        capacity = topk + max(depth - 1, 0) * topk * topk
+        tokens = torch.empty(capacity, dtype=torch.int64)
+        parents = torch.empty(capacity, dtype=torch.int64)
+        scores = torch.empty(capacity, dtype=torch.float32)
+        count = torch.zeros(1, dtype=torch.int64)
+        args, alive = self._draft_layer_args(layer, [cache], True)
+        call = DraftTreeArgs(args, ptr(feat), ptr(logits), topk, depth, prefix, pos0, ptr(vocab_ids), ptr(embed),
+                             embed_scale, capacity, ptr(tokens), ptr(parents), ptr(scores), ptr(count))
+        self._draft_tree(ctypes.byref(call))
+        del alive
+        n = int(count[0])
+        return tokens[:n].tolist(), parents[:n].tolist(), scores[:n].tolist()
 
     def _draft_layer_args(self, layer: "DraftLayer", caches: list[tuple[torch.Tensor, torch.Tensor]],
                           with_head: bool) -> tuple["DraftLayerArgs", tuple]:

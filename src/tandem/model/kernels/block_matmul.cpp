@@ -1393,6 +1393,140 @@ void draft_chain(const DraftChainArgs& a) {
   }
 }
 
+// An EAGLE-2 tree of one request in one call, for the heads draft_chain serves: each depth gives
+// every frontier node its top-k children scored by path log-probability (the frontier node's
+// score plus the child's log-softmax), then feeds the k best new nodes through the layer at
+// once, each at the depth's position, seeing the committed context (slots [0, prefix)) and then
+// the slots of its own path, root first. The order and arithmetic are the Python loop's
+// (EagleDrafter._propose_tree): children row by row in rank order, expansions in descending
+// score, ties to the lower index. A depth whose frontier logits hold a NaN or an infinity ends
+// the tree (its nodes so far stand).
+struct DraftTreeArgs {
+  DraftLayerArgs layer;       // one step's call over the request's cache (sequence 0); rows set per depth
+  const float* feat;          // [H] the feature that produced the root logits (the catch-up's last output)
+  const float* logits;        // [V'] the root logits
+  int64_t topk, depth;
+  int64_t prefix;             // cache slots every node sees (the committed context)
+  int64_t pos0;               // rope position of the depth-1 nodes
+  const int64_t* vocab_ids;   // [V'] draft index -> target id, or null (the same)
+  const float* embed;         // [V, H] the target's embedding
+  float embed_scale;
+  int64_t capacity;           // room in tokens/parents/scores: topk + (depth - 1) * topk * topk
+  int64_t* tokens;            // out: each node's target id
+  int64_t* parents;           // out: its parent node (-1: the root)
+  float* scores;              // out: its path log-probability
+  int64_t* count;             // out: nodes written
+};
+
+// The indices of the k largest of values[0, n), largest first, ties to the lower index.
+void top_indices(const float* values, int64_t n, int64_t k, std::vector<int64_t>& out) {
+  out.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (static_cast<int64_t>(out.size()) == k && !(values[i] > values[out.back()])) continue;
+    auto at = out.end();
+    while (at != out.begin() && values[i] > values[*(at - 1)]) --at;
+    out.insert(at, i);
+    if (static_cast<int64_t>(out.size()) > k) out.pop_back();
+  }
+}
+
+// sum_i e^(x_i - top) over x[0, n), 8 lanes at a time (exp8; the tail masked off).
+float sum_exp_below(const float* x, int64_t n, float top) {
+  const __m256 mx = _mm256_set1_ps(top);
+  __m256 total8 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i live = tail_mask(n - i);
+    const __m256 v = _mm256_maskload_ps(x + i, live);
+    total8 = _mm256_add_ps(total8, _mm256_and_ps(_mm256_castsi256_ps(live), exp8(_mm256_sub_ps(v, mx))));
+  }
+  return hsum8(total8);
+}
+
+bool all_finite_rows(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
+}
+
+void draft_tree(const DraftTreeArgs& a) {
+  const int64_t H = a.layer.H, V = a.layer.head->N, k = std::min(a.topk, V);
+  std::vector<float> feat(a.feat, a.feat + H), logits(a.logits, a.logits + V), x, in, next;
+  std::vector<int64_t> frontier{-1}, ranked, best, seq, slot, pos, hi, key_off, keys;
+  std::vector<float> frontier_score{0.f};
+  std::vector<std::vector<int64_t>> path_of;  // node -> its path's slots, root first (expanded nodes only)
+  path_of.reserve(a.capacity);
+  int64_t n = 0, next_slot = a.prefix;
+  for (int64_t d = 1; d <= a.depth; ++d) {
+    const int64_t F = static_cast<int64_t>(frontier.size());
+    if (!all_finite_rows(logits.data(), F * V)) break;
+    const int64_t first = n;
+    for (int64_t f = 0; f < F; ++f) {
+      const float* row = logits.data() + f * V;
+      const float top = *std::max_element(row, row + V);
+      const float log_sum = std::log(sum_exp_below(row, V, top));
+      top_indices(row, V, k, ranked);
+      for (int64_t id : ranked) {
+        if (n == a.capacity) break;
+        a.tokens[n] = a.vocab_ids ? a.vocab_ids[id] : id;
+        a.parents[n] = frontier[f];
+        a.scores[n] = frontier_score[f] + ((row[id] - top) - log_sum);
+        path_of.emplace_back();
+        ++n;
+      }
+    }
+    if (d == a.depth) break;
+    top_indices(a.scores + first, n - first, std::min(a.topk, n - first), best);
+    const int64_t T = static_cast<int64_t>(best.size());
+    x.resize(T * H);
+    in.resize(T * 2 * H);
+    seq.assign(T, 0);
+    slot.resize(T);
+    pos.assign(T, a.pos0 + d - 1);
+    hi.assign(T, a.prefix);
+    key_off.assign(1, 0);
+    keys.clear();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t node = first + best[t], parent_row = best[t] / k, parent = a.parents[node];
+      const float* f = feat.data() + parent_row * H;
+      const float* e = a.embed + a.tokens[node] * H;
+      std::copy(f, f + H, x.data() + t * H);
+      for (int64_t i = 0; i < H; ++i) in[t * 2 * H + i] = e[i] * a.embed_scale;
+      std::copy(f, f + H, in.data() + t * 2 * H + H);
+      slot[t] = next_slot + t;
+      path_of[node] = parent >= 0 ? path_of[parent] : std::vector<int64_t>{};
+      path_of[node].push_back(slot[t]);
+      keys.insert(keys.end(), path_of[node].begin(), path_of[node].end());
+      key_off.push_back(static_cast<int64_t>(keys.size()));
+    }
+    next.resize(T * V);
+    DraftLayerArgs step = a.layer;
+    step.x = x.data();
+    step.attn_in = in.data();
+    step.attn_width = 2 * H;
+    step.T = T;
+    step.seq = seq.data();
+    step.slot = slot.data();
+    step.pos = pos.data();
+    step.hi = hi.data();
+    step.key_off = key_off.data();
+    step.keys = keys.data();
+    step.head_index = nullptr;
+    step.head_rows = T;
+    step.logits = next.data();
+    draft_layer(step);
+    next_slot += T;
+    feat.swap(x);
+    logits.swap(next);
+    frontier.resize(T);
+    frontier_score.resize(T);
+    for (int64_t t = 0; t < T; ++t) {
+      frontier[t] = first + best[t];
+      frontier_score[t] = a.scores[first + best[t]];
+    }
+  }
+  *a.count = n;
+}
+
 // ---- the int8 multiply-add peak, for `tandem bench base` ------------------------------------
 
 // `iters` rounds of kChains independent multiply-add chains per thread, registers only, inputs
@@ -1453,5 +1587,6 @@ void tandem_attend(const AttendArgs* a) {
 void tandem_decoder_forward(const DecoderArgs* a) { decoder_forward(*a); }
 void tandem_draft_layer(const DraftLayerArgs* a) { draft_layer(*a); }
 void tandem_draft_chain(const DraftChainArgs* a) { draft_chain(*a); }
+void tandem_draft_tree(const DraftTreeArgs* a) { draft_tree(*a); }
 int64_t tandem_int8_peak(int64_t iters, int threads) { return int8_peak(iters, threads); }
 }
