@@ -114,6 +114,26 @@ def test_tree_greedy_identity_through_the_engine(variant, topk, nodes, steps, sa
     assert len(stats.accepted_per_position) <= steps
 
 
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3-small"])
+def test_a_batchs_trees_are_each_requests_own(variant, saved):
+    """On the kernels every tree of a batch grows in one native call: each request's first tree
+    is the one it grows alone."""
+    def first_trees(prompts):
+        llm = make_llm(variant, saved(variant), 10, eagle_topk=3, num_steps=4)
+        drafter = llm.engine.drafter
+        assert drafter._drafts_natively()
+        propose, rounds = drafter.propose, []
+        drafter.propose = lambda batch: rounds.append(propose(batch)) or rounds[-1]
+        llm.generate(prompts, GREEDY)
+        return rounds[0]
+
+    together = first_trees(PROMPTS)
+    assert len(together) == len(PROMPTS)
+    for prompt, tree in zip(PROMPTS, together):
+        alone = first_trees([prompt])[0]
+        assert (tree.token_ids, tree.parents) == (alone.token_ids, alone.parents) and len(tree) > 1
+
+
 @pytest.mark.parametrize("variant", TREE_VARIANTS)
 def test_tree_drafts_are_well_formed_best_first_trees(variant, saved):
     """Each round's tree: at most num_draft_tokens nodes, at most num_steps deep, parents before

@@ -247,8 +247,8 @@ def test_a_native_chain_drafts_what_native_steps_draft():
 
 
 def stepped_tree(native, feat, logits, cache, position, topk, depth, vocab_ids, embed, scale):
-    """What NativeBlock.tree does, one native step per level from Python (EagleDrafter's loop on
-    the native path): (tokens, parents, scores)."""
+    """What NativeBlock.trees does for one request, one native step per level from Python
+    (EagleDrafter._grow_tree's loop on the native path): (tokens, parents, scores)."""
     tokens, parents, scores, slot_of = [], [], [], {}
     prefix, length = cache.length, cache.length
     frontier, frontier_scores, feats = [-1], torch.zeros(1), feat.view(1, -1)
@@ -286,29 +286,32 @@ def stepped_tree(native, feat, logits, cache, position, topk, depth, vocab_ids, 
     return tokens, parents, scores
 
 
-@pytest.mark.parametrize("topk, depth", [(2, 4), (3, 3), (4, 1)])
-def test_a_native_tree_grows_what_native_steps_grow(topk, depth):
-    """NativeBlock.tree (an EAGLE-2 tree in one call) gives the nodes, parents and (within
-    rounding of the log-softmax) scores of the same levels stepped from Python, writes the same
-    scratch keys and leaves the cache's length alone; root logits holding a NaN draft nothing."""
+@pytest.mark.parametrize("topk", [2, 3])
+def test_native_trees_grow_what_native_steps_grow(topk):
+    """NativeBlock.trees (the EAGLE-2 trees of several requests in one call) gives each request
+    the nodes, parents and (within rounding of the log-softmax) scores of its own levels stepped
+    from Python, with caches of different lengths and trees of different depths, writes the same
+    scratch keys and leaves the caches' lengths alone; a request whose root logits hold a NaN
+    grows nothing and the others are untouched by it."""
     native, embed, vocab_ids = eagle3_chain_parts(11)
     H = parts().config.hidden_size
-    cache = filled_caches_wide(native.block, 7, 2)[0]
-    stepped = copy.deepcopy(cache)
-    torch.manual_seed(topk * 10 + depth)
-    feat, logits = torch.randn(H), torch.randn(96) * 3
+    lengths, depths = [7, 12, 5, 9], [4, 3, 1, 2]
+    caches = [filled_caches_wide(native.block, n, 2)[0] for n in lengths]
+    stepped = [copy.deepcopy(c) for c in caches]
+    torch.manual_seed(topk)
+    feat, logits = torch.randn(4, H), torch.randn(4, 96) * 3
+    logits[3, 5] = float("nan")
     with torch.no_grad():
-        expected = stepped_tree(native, feat, logits, stepped, 7, topk, depth, vocab_ids, embed, 1.5)
-        got = native.tree(feat, logits, cache, 7, topk, depth, vocab_ids, embed, 1.5)
-        assert got[:2] == expected[:2]
-        torch.testing.assert_close(torch.tensor(got[2]), torch.tensor(expected[2]), rtol=1e-5, atol=1e-5)
-        assert len(got[0]) == topk + (depth - 1) * topk * topk
-        assert cache.length == 7
-        fed = slice(7, 7 + (depth - 1) * topk)
-        assert torch.equal(cache.k[:, fed], stepped.k[:, fed]) and torch.equal(cache.v[:, fed], stepped.v[:, fed])
-        broken = logits.clone()
-        broken[3] = float("nan")
-        assert native.tree(feat, broken, cache, 7, topk, depth, vocab_ids, embed, 1.5) == ([], [], [])
+        expected = [stepped_tree(native, feat[r], logits[r : r + 1], stepped[r], lengths[r], topk, depths[r], vocab_ids,
+                                 embed, 1.5) for r in range(4)]
+        got = native.trees(feat, logits, caches, lengths, topk, depths, vocab_ids, embed, 1.5)
+    for r, ((tokens, parents, scores), ref) in enumerate(zip(got, expected)):
+        assert (tokens, parents) == ref[:2]
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(ref[2]), rtol=1e-5, atol=1e-5)
+        assert len(tokens) == (0 if r == 3 else topk + (depths[r] - 1) * topk * topk)
+        assert caches[r].length == lengths[r]
+        fed = slice(lengths[r], lengths[r] + (depths[r] - 1) * topk)
+        assert torch.equal(caches[r].k[:, fed], stepped[r].k[:, fed]) and torch.equal(caches[r].v[:, fed], stepped[r].v[:, fed])
 
 
 def test_a_trees_paths_as_keys_equal_them_as_a_mask():

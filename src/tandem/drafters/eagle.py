@@ -19,7 +19,8 @@ tokens form depth 1; at each further depth the K nodes with the highest path log
 and each gets its top K children; finally the num_draft_tokens most likely nodes are kept. The
 children are the head's top-k, so the tree is deterministic (no q), which the tree verifier
 grades losslessly under greedy and sampling alike. On the block kernels (an EAGLE-3 head with
-its own vocabulary) every level after the catch-up runs in one native call (NativeBlock.tree).
+its own vocabulary) every level of every request's tree after the catch-up runs in one native call
+(NativeBlock.trees).
 """
 
 from __future__ import annotations
@@ -64,14 +65,16 @@ class EagleDrafter(HeadDrafter):
         if not rows:
             return drafts
         if self.spec.tree:
+            inputs = [batch[i] for i in rows]
             branches = [[] for _ in rows]
             if self.lookup is not None:
                 depth = self.spec.max_draft_len
-                inputs = [dataclasses.replace(batch[i], max_draft_tokens=min(depth, batch[i].max_draft_tokens)) for i in rows]
-                branches = [d.token_ids for d in self.lookup.suffix.lookup(inputs)]
-            for i, branch in zip(rows, branches):
+                looked = [dataclasses.replace(inp, max_draft_tokens=min(depth, inp.max_draft_tokens)) for inp in inputs]
+                branches = [d.token_ids for d in self.lookup.suffix.lookup(looked)]
+            for i, branch, (tokens, parents, scores) in zip(rows, branches, self._grow_trees(inputs)):
                 # The lookup branch's nodes come out of the tree's budget.
-                drafts[i] = self._propose_tree(batch[i], self.spec.num_draft_tokens - len(branch)).with_branch(branch)
+                size = self.spec.num_draft_tokens - len(branch)
+                drafts[i] = best_subtree(tokens, parents, scores, size).with_branch(branch)
             return drafts
         inputs = [batch[i] for i in rows]
         if self.lookup is not None:
@@ -134,16 +137,25 @@ class EagleDrafter(HeadDrafter):
         without a repetition penalty (argmax drafts, no q)."""
         return self._drafts_natively() and all(inp.params.greedy and s is None for inp, s in zip(inputs, seen))
 
-    def _propose_tree(self, inp: DraftInput, size: int) -> Draft:
-        """One request's EAGLE-2 tree of at most `size` nodes (see the module docstring)."""
+    def _grow_trees(self, inputs: list[DraftInput]) -> list[tuple[list[int], list[int], list[float]]]:
+        """Each request's EAGLE-2 tree before it is cut to size (see the module docstring): its
+        nodes (target ids), their parents (-1: the root) and path log-probabilities. Every
+        request's catch-up is one call; on the kernels every level of every tree is one more,
+        and else each tree grows in Python, one layer call per level."""
+        depths = [min(self.spec.max_draft_len, inp.max_draft_tokens) for inp in inputs]
+        caches = [self._catch_up_cache(inp) for inp in inputs]
+        feats, logits = self._catch_up(inputs, caches)  # [R, H], [R, V']
+        if self._drafts_natively():
+            return self.native.trees(feats, logits, caches, [len(inp.token_ids) - 1 for inp in inputs],
+                                     self.spec.eagle_topk, depths, self.draft_ids, self.parts.embed_table,
+                                     self.parts.embed_scale)
+        return [self._grow_tree(inp, cache, feats[j : j + 1], logits[j : j + 1], depth)
+                for j, (inp, cache, depth) in enumerate(zip(inputs, caches, depths))]
+
+    def _grow_tree(self, inp: DraftInput, cache: RowCache, feats: torch.Tensor, logits: torch.Tensor,
+                   depth: int) -> tuple[list[int], list[int], list[float]]:
+        """One request's tree in Python, from its catch-up's feature [1, H] and logits [1, V']."""
         topk = self.spec.eagle_topk
-        depth = min(self.spec.max_draft_len, inp.max_draft_tokens)
-        cache = self._catch_up_cache(inp)
-        feats, logits = self._catch_up([inp], [cache])  # [1, H], [1, V']
-        if self._drafts_natively():  # every level in one native call (the loop below, in C++)
-            tokens, parents, scores = self.native.tree(feats[0], logits[0], cache, len(inp.token_ids) - 1, topk, depth,
-                                                       self.draft_ids, self.parts.embed_table, self.parts.embed_scale)
-            return best_subtree(tokens, parents, scores, size)
         prefix = cache.length
         tokens: list[int] = []
         parents: list[int] = []
@@ -188,7 +200,7 @@ class EagleDrafter(HeadDrafter):
             feats = out[0]  # [K, H]
             frontier, frontier_scores = expand, child_scores[best]
         cache.truncate(len(inp.token_ids) - 1 - cache.origin)  # drop the draft steps' keys
-        return best_subtree(tokens, parents, scores, size)
+        return tokens, parents, scores
 
     def _catch_up_cache(self, inp: DraftInput) -> RowCache:
         """The request's cache, holding exactly the positions before its new hidden rows. Rows

@@ -192,19 +192,24 @@ class NativeBlock:
         tokens = self.kernels.draft_chain(layer, chain, [(c.k, c.v) for c in caches])
         return [[t for t in row if t >= 0] for row in tokens.tolist()]
 
-    def tree(self, feat: torch.Tensor, logits: torch.Tensor, cache: RowCache, position: int, topk: int, depth: int,
-             vocab_ids: torch.Tensor | None, embed: torch.Tensor, embed_scale: float) -> tuple[list[int], list[int], list[float]]:
-        """One request's EAGLE-2 tree in one native call (kernels.draft_tree), for the layers
-        `chain` serves: from feat [H] and logits [V'] of its last fed row, `depth` levels of the
-        top-`topk` children of every frontier node, the `topk` most likely new nodes fed through
-        the layer at once at position + level - 1, each seeing the cache and its own path.
-        Returns the nodes (target ids), their parents (-1: the root) and path log-probabilities,
-        as EagleDrafter's loop builds them; the levels' keys are scratch after `length`, which
-        does not move."""
-        layer = self._tables(position + depth + 1)
-        cache.reserve(max(depth - 1, 0) * topk)
-        return self.kernels.draft_tree(layer, feat.float().contiguous(), logits.float().contiguous(), (cache.k, cache.v),
-                                       topk, depth, cache.length, position,
+    def trees(self, feat: torch.Tensor, logits: torch.Tensor, caches: list[RowCache], positions: list[int], topk: int,
+              depths: list[int], vocab_ids: torch.Tensor | None, embed: torch.Tensor,
+              embed_scale: float) -> list[tuple[list[int], list[int], list[float]]]:
+        """R requests' EAGLE-2 trees in one native call (kernels.draft_tree), for the layers
+        `chain` serves: from each request's feat [R, H] and logits [R, V'] (of its last fed row),
+        depths[r] levels of the top-`topk` children of every frontier node, each request's `topk`
+        most likely new nodes fed through the layer at positions[r] + level - 1 (all requests'
+        in one layer call per level), each node seeing its cache and its own path. Returns per
+        request the nodes (target ids), their parents (-1: the root) and path log-probabilities,
+        as EagleDrafter's loop builds them; the levels' keys are scratch after each cache's
+        `length`, which does not move."""
+        layer = self._tables(max(p + d for p, d in zip(positions, depths)) + 1)
+        for cache, depth in zip(caches, depths):
+            cache.reserve(max(depth - 1, 0) * topk)
+        return self.kernels.draft_tree(layer, feat.float().contiguous(), logits.float().contiguous(),
+                                       [(c.k, c.v) for c in caches], topk, torch.tensor(depths, dtype=torch.int64),
+                                       torch.tensor([c.length for c in caches], dtype=torch.int64),
+                                       torch.tensor(positions, dtype=torch.int64),
                                        None if vocab_ids is None else vocab_ids.to(torch.int64).contiguous(), embed,
                                        float(embed_scale))
 

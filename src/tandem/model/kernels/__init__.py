@@ -284,29 +284,33 @@ class BlockKernels:
         del alive
         return tokens
 
-    def draft_tree(self, layer: "DraftLayer", feat: torch.Tensor, logits: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-                   topk: int, depth: int, prefix: int, pos0: int, vocab_ids: torch.Tensor | None, embed: torch.Tensor,
-                   embed_scale: float) -> tuple[list[int], list[int], list[float]]:
-        """One request's EAGLE-2 tree in one call (block_matmul.cpp draft_tree), for the layers
-        draft_chain serves: from feat [H] and logits [V'] of its last fed row, `depth` levels of
-        top-`topk` children, the `topk` best of each level fed through the layer at position
-        pos0 + level - 1, writing their keys from slot `prefix` on (the cache must have room
-        for (depth - 1) * topk more) and seeing slots [0, prefix) and their own paths. Returns
-        the nodes' target ids, parents (-1: the root) and path log-probabilities."""
+    def draft_tree(self, layer: "DraftLayer", feat: torch.Tensor, logits: torch.Tensor,
+                   caches: list[tuple[torch.Tensor, torch.Tensor]], topk: int, depth: torch.Tensor, prefix: torch.Tensor,
+                   pos0: torch.Tensor, vocab_ids: torch.Tensor | None, embed: torch.Tensor,
+                   embed_scale: float) -> list[tuple[list[int], list[int], list[float]]]:
+        """R requests' EAGLE-2 trees in one call (block_matmul.cpp draft_tree), for the layers
+        draft_chain serves: from feat [R, H] and logits [R, V'] of each request's last fed row,
+        depth[r] levels of top-`topk` children, each request's `topk` best of a level fed through
+        the layer (every request's in one draft_layer) at position pos0[r] + level - 1, writing
+        their keys from slot prefix[r] of caches[r] on (which must have room for (depth[r] - 1) *
+        topk more) and seeing slots [0, prefix[r]) and their own paths (depth, prefix, pos0: [R]
+        int64). Returns per request its nodes' target ids, parents (-1: the root) and path
+        log-probabilities."""
         if layer.vocab is None:
             raise ValueError("a draft tree needs a layer with its vocabulary head")
-        capacity = topk + max(depth - 1, 0) * topk * topk
-        tokens = torch.empty(capacity, dtype=torch.int64)
-        parents = torch.empty(capacity, dtype=torch.int64)
-        scores = torch.empty(capacity, dtype=torch.float32)
-        count = torch.zeros(1, dtype=torch.int64)
-        args, alive = self._draft_layer_args(layer, [cache], True)
-        call = DraftTreeArgs(args, ptr(feat), ptr(logits), topk, depth, prefix, pos0, ptr(vocab_ids), ptr(embed),
-                             embed_scale, capacity, ptr(tokens), ptr(parents), ptr(scores), ptr(count))
+        R = len(caches)
+        capacity = topk + max(int(depth.max()) - 1, 0) * topk * topk
+        tokens = torch.empty(R, capacity, dtype=torch.int64)
+        parents = torch.empty(R, capacity, dtype=torch.int64)
+        scores = torch.empty(R, capacity, dtype=torch.float32)
+        count = torch.zeros(R, dtype=torch.int64)
+        args, alive = self._draft_layer_args(layer, caches, True)
+        call = DraftTreeArgs(args, R, ptr(feat), ptr(logits), topk, ptr(depth), ptr(prefix), ptr(pos0), ptr(vocab_ids),
+                             ptr(embed), embed_scale, capacity, ptr(tokens), ptr(parents), ptr(scores), ptr(count))
         self._draft_tree(ctypes.byref(call))
         del alive
-        n = int(count[0])
-        return tokens[:n].tolist(), parents[:n].tolist(), scores[:n].tolist()
+        return [(tokens[r, :n].tolist(), parents[r, :n].tolist(), scores[r, :n].tolist())
+                for r, n in enumerate(count.tolist())]
 
     def _draft_layer_args(self, layer: "DraftLayer", caches: list[tuple[torch.Tensor, torch.Tensor]],
                           with_head: bool) -> tuple["DraftLayerArgs", tuple]:

@@ -1393,29 +1393,31 @@ void draft_chain(const DraftChainArgs& a) {
   }
 }
 
-// An EAGLE-2 tree of one request in one call, for the heads draft_chain serves: each depth gives
+// EAGLE-2 trees of R requests in one call, for the heads draft_chain serves: each depth gives
 // every frontier node its top-k children scored by path log-probability (the frontier node's
-// score plus the child's log-softmax), then feeds the k best new nodes through the layer at
-// once, each at the depth's position, seeing the committed context (slots [0, prefix)) and then
-// the slots of its own path, root first. The order and arithmetic are the Python loop's
-// (EagleDrafter._propose_tree): children row by row in rank order, expansions in descending
-// score, ties to the lower index. A depth whose frontier logits hold a NaN or an infinity ends
-// the tree (its nodes so far stand).
+// score plus the child's log-softmax), then feeds each request's k best new nodes through the
+// layer, all requests' in one draft_layer, each node at its depth's position, seeing its
+// request's committed context (slots [0, prefix)) and then the slots of its own path, root
+// first. The order and arithmetic are the Python loop's (EagleDrafter._grow_tree): children row
+// by row in rank order, expansions in descending score, ties to the lower index. A request
+// whose frontier logits hold a NaN or an infinity stops growing (its nodes so far stand).
 struct DraftTreeArgs {
-  DraftLayerArgs layer;       // one step's call over the request's cache (sequence 0); rows set per depth
-  const float* feat;          // [H] the feature that produced the root logits (the catch-up's last output)
-  const float* logits;        // [V'] the root logits
-  int64_t topk, depth;
-  int64_t prefix;             // cache slots every node sees (the committed context)
-  int64_t pos0;               // rope position of the depth-1 nodes
+  DraftLayerArgs layer;       // one step's call; request r's cache is layer.seq_k[r]; rows set per depth
+  int64_t R;
+  const float* feat;          // [R, H] the feature that produced each root's logits (the catch-up's last output)
+  const float* logits;        // [R, V'] the root logits
+  int64_t topk;
+  const int64_t* depth;       // [R] levels of each request's tree (0: none)
+  const int64_t* prefix;      // [R] cache slots every node of the request sees (its committed context)
+  const int64_t* pos0;        // [R] rope position of its depth-1 nodes
   const int64_t* vocab_ids;   // [V'] draft index -> target id, or null (the same)
   const float* embed;         // [V, H] the target's embedding
   float embed_scale;
-  int64_t capacity;           // room in tokens/parents/scores: topk + (depth - 1) * topk * topk
-  int64_t* tokens;            // out: each node's target id
-  int64_t* parents;           // out: its parent node (-1: the root)
-  float* scores;              // out: its path log-probability
-  int64_t* count;             // out: nodes written
+  int64_t capacity;           // room per request in tokens/parents/scores: topk + (max depth - 1) * topk * topk
+  int64_t* tokens;            // [R, capacity] out: each node's target id
+  int64_t* parents;           // [R, capacity] out: its parent node (-1: the root)
+  float* scores;              // [R, capacity] out: its path log-probability
+  int64_t* count;             // [R] out: nodes written
 };
 
 // The indices of the k largest of values[0, n), largest first, ties to the lower index.
@@ -1448,56 +1450,96 @@ bool all_finite_rows(const float* x, int64_t n) {
   return true;
 }
 
-void draft_tree(const DraftTreeArgs& a) {
-  const int64_t H = a.layer.H, V = a.layer.head->N, k = std::min(a.topk, V);
-  std::vector<float> feat(a.feat, a.feat + H), logits(a.logits, a.logits + V), x, in, next;
-  std::vector<int64_t> frontier{-1}, ranked, best, seq, slot, pos, hi, key_off, keys;
+// One request's tree while it grows: its frontier (nodes, scores, and the rows of the last
+// call that hold their features and logits) and each expanded node's path of cache slots.
+struct GrowingTree {
+  std::vector<int64_t> frontier{-1}, rows{0};
   std::vector<float> frontier_score{0.f};
-  std::vector<std::vector<int64_t>> path_of;  // node -> its path's slots, root first (expanded nodes only)
-  path_of.reserve(a.capacity);
-  int64_t n = 0, next_slot = a.prefix;
-  for (int64_t d = 1; d <= a.depth; ++d) {
-    const int64_t F = static_cast<int64_t>(frontier.size());
-    if (!all_finite_rows(logits.data(), F * V)) break;
-    const int64_t first = n;
-    for (int64_t f = 0; f < F; ++f) {
-      const float* row = logits.data() + f * V;
-      const float top = *std::max_element(row, row + V);
-      const float log_sum = std::log(sum_exp_below(row, V, top));
-      top_indices(row, V, k, ranked);
-      for (int64_t id : ranked) {
-        if (n == a.capacity) break;
-        a.tokens[n] = a.vocab_ids ? a.vocab_ids[id] : id;
-        a.parents[n] = frontier[f];
-        a.scores[n] = frontier_score[f] + ((row[id] - top) - log_sum);
-        path_of.emplace_back();
-        ++n;
-      }
-    }
-    if (d == a.depth) break;
-    top_indices(a.scores + first, n - first, std::min(a.topk, n - first), best);
-    const int64_t T = static_cast<int64_t>(best.size());
-    x.resize(T * H);
-    in.resize(T * 2 * H);
-    seq.assign(T, 0);
-    slot.resize(T);
-    pos.assign(T, a.pos0 + d - 1);
-    hi.assign(T, a.prefix);
+  std::vector<std::vector<int64_t>> path_of;  // node -> its path's slots, root first (expanded nodes)
+  int64_t n = 0, next_slot = 0;
+  bool growing = true;
+};
+
+void draft_tree(const DraftTreeArgs& a) {
+  const int64_t R = a.R, H = a.layer.H, V = a.layer.head->N, k = std::min(a.topk, V);
+  std::vector<float> feat(a.feat, a.feat + R * H), logits(a.logits, a.logits + R * V), x, in, next;
+  std::vector<int64_t> ranked, best, seq, slot, pos, hi, key_off, keys;
+  std::vector<GrowingTree> trees(R);
+  for (int64_t r = 0; r < R; ++r) {
+    trees[r].rows[0] = r;
+    trees[r].next_slot = a.prefix[r];
+    trees[r].path_of.reserve(a.capacity);
+  }
+  const int64_t max_depth = R ? *std::max_element(a.depth, a.depth + R) : 0;
+  for (int64_t d = 1; d <= max_depth; ++d) {
+    x.clear();
+    in.clear();
+    seq.clear();
+    slot.clear();
+    pos.clear();
+    hi.clear();
     key_off.assign(1, 0);
     keys.clear();
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t node = first + best[t], parent_row = best[t] / k, parent = a.parents[node];
-      const float* f = feat.data() + parent_row * H;
-      const float* e = a.embed + a.tokens[node] * H;
-      std::copy(f, f + H, x.data() + t * H);
-      for (int64_t i = 0; i < H; ++i) in[t * 2 * H + i] = e[i] * a.embed_scale;
-      std::copy(f, f + H, in.data() + t * 2 * H + H);
-      slot[t] = next_slot + t;
-      path_of[node] = parent >= 0 ? path_of[parent] : std::vector<int64_t>{};
-      path_of[node].push_back(slot[t]);
-      keys.insert(keys.end(), path_of[node].begin(), path_of[node].end());
-      key_off.push_back(static_cast<int64_t>(keys.size()));
+    for (int64_t r = 0; r < R; ++r) {
+      GrowingTree& tree = trees[r];
+      if (!tree.growing || d > a.depth[r]) continue;
+      int64_t* tokens = a.tokens + r * a.capacity;
+      int64_t* parents = a.parents + r * a.capacity;
+      float* scores = a.scores + r * a.capacity;
+      const int64_t F = static_cast<int64_t>(tree.frontier.size());
+      bool finite = true;
+      for (int64_t f = 0; f < F && finite; ++f) finite = all_finite_rows(logits.data() + tree.rows[f] * V, V);
+      if (!finite) {
+        tree.growing = false;
+        continue;
+      }
+      const int64_t first = tree.n;
+      for (int64_t f = 0; f < F; ++f) {
+        const float* row = logits.data() + tree.rows[f] * V;
+        const float top = *std::max_element(row, row + V);
+        const float log_sum = std::log(sum_exp_below(row, V, top));
+        top_indices(row, V, k, ranked);
+        for (int64_t id : ranked) {
+          if (tree.n == a.capacity) break;
+          tokens[tree.n] = a.vocab_ids ? a.vocab_ids[id] : id;
+          parents[tree.n] = tree.frontier[f];
+          scores[tree.n] = tree.frontier_score[f] + ((row[id] - top) - log_sum);
+          tree.path_of.emplace_back();
+          ++tree.n;
+        }
+      }
+      if (d == a.depth[r]) continue;
+      top_indices(scores + first, tree.n - first, std::min(a.topk, tree.n - first), best);
+      const int64_t T = static_cast<int64_t>(best.size());
+      std::vector<int64_t> next_rows(T);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t node = first + best[t], parent = parents[node], row = static_cast<int64_t>(seq.size());
+        const float* f = feat.data() + tree.rows[best[t] / k] * H;
+        const float* e = a.embed + tokens[node] * H;
+        x.insert(x.end(), f, f + H);
+        for (int64_t i = 0; i < H; ++i) in.push_back(e[i] * a.embed_scale);
+        in.insert(in.end(), f, f + H);
+        seq.push_back(r);
+        slot.push_back(tree.next_slot + t);
+        pos.push_back(a.pos0[r] + d - 1);
+        hi.push_back(a.prefix[r]);
+        tree.path_of[node] = parent >= 0 ? tree.path_of[parent] : std::vector<int64_t>{};
+        tree.path_of[node].push_back(tree.next_slot + t);
+        keys.insert(keys.end(), tree.path_of[node].begin(), tree.path_of[node].end());
+        key_off.push_back(static_cast<int64_t>(keys.size()));
+        next_rows[t] = row;
+      }
+      tree.next_slot += T;
+      tree.frontier.resize(T);
+      tree.frontier_score.resize(T);
+      for (int64_t t = 0; t < T; ++t) {
+        tree.frontier[t] = first + best[t];
+        tree.frontier_score[t] = scores[first + best[t]];
+      }
+      tree.rows = next_rows;
     }
+    const int64_t T = static_cast<int64_t>(seq.size());
+    if (T == 0) break;
     next.resize(T * V);
     DraftLayerArgs step = a.layer;
     step.x = x.data();
@@ -1514,17 +1556,10 @@ void draft_tree(const DraftTreeArgs& a) {
     step.head_rows = T;
     step.logits = next.data();
     draft_layer(step);
-    next_slot += T;
     feat.swap(x);
     logits.swap(next);
-    frontier.resize(T);
-    frontier_score.resize(T);
-    for (int64_t t = 0; t < T; ++t) {
-      frontier[t] = first + best[t];
-      frontier_score[t] = a.scores[first + best[t]];
-    }
   }
-  *a.count = n;
+  for (int64_t r = 0; r < R; ++r) a.count[r] = trees[r].n;
 }
 
 // ---- the int8 multiply-add peak, for `tandem bench base` ------------------------------------

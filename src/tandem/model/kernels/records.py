@@ -97,8 +97,8 @@ class DraftChainArgs(ctypes.Structure):
 
 class DraftTreeArgs(ctypes.Structure):
     _fields_ = [
-        ("layer", DraftLayerArgs), ("feat", ctypes.c_void_p), ("logits", ctypes.c_void_p), ("topk", ctypes.c_int64),
-        ("depth", ctypes.c_int64), ("prefix", ctypes.c_int64), ("pos0", ctypes.c_int64),
+        ("layer", DraftLayerArgs), ("R", ctypes.c_int64), ("feat", ctypes.c_void_p), ("logits", ctypes.c_void_p),
+        ("topk", ctypes.c_int64), ("depth", ctypes.c_void_p), ("prefix", ctypes.c_void_p), ("pos0", ctypes.c_void_p),
         ("vocab_ids", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("embed_scale", ctypes.c_float),
         ("capacity", ctypes.c_int64), ("tokens", ctypes.c_void_p), ("parents", ctypes.c_void_p),
         ("scores", ctypes.c_void_p), ("count", ctypes.c_void_p),
