@@ -1325,6 +1325,35 @@ struct DraftChainArgs {
   int64_t* tokens;            // [R, width] out: target ids, -1 past each request's chain
 };
 
+// A draft step's input row for heads whose layer input is [embedding | feature] with the feature
+// as the residual stream: x_row [H] = the feature, in_row [2H] = [embedding * scale | feature].
+inline void step_input(const float* feature, const float* embedding, float embed_scale, int64_t H, float* x_row,
+                       float* in_row) {
+  std::copy(feature, feature + H, x_row);
+  for (int64_t i = 0; i < H; ++i) in_row[i] = embedding[i] * embed_scale;
+  std::copy(feature, feature + H, in_row + H);
+}
+
+// One draft_layer over T such rows (x [T, H] in place, in [T, 2H]) at seq/slot/pos, seeing the
+// tree keys hi/key_off/keys (null: a chain's causal rule), with every row's logits into `logits`.
+void draft_step(DraftLayerArgs step, float* x, const float* in, int64_t T, const int64_t* seq, const int64_t* slot,
+                const int64_t* pos, const int64_t* hi, const int64_t* key_off, const int64_t* keys, float* logits) {
+  step.x = x;
+  step.attn_in = in;
+  step.attn_width = 2 * step.H;
+  step.T = T;
+  step.seq = seq;
+  step.slot = slot;
+  step.pos = pos;
+  step.hi = hi;
+  step.key_off = key_off;
+  step.keys = keys;
+  step.head_index = nullptr;
+  step.head_rows = T;
+  step.logits = logits;
+  draft_layer(step);
+}
+
 // The first index of the largest value (numpy's argmax), or -1 when the row is not all finite.
 int64_t finite_argmax(const float* row, int64_t n) {
   int64_t best = 0;
@@ -1365,28 +1394,14 @@ void draft_chain(const DraftChainArgs& a) {
     pos.resize(T);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t r = kept[t];
-      const float* f = feat.data() + kept_rows[t] * H;
-      const float* e = a.embed + kept_tokens[t] * H;
-      std::copy(f, f + H, x.data() + t * H);
-      for (int64_t i = 0; i < H; ++i) in[t * 2 * H + i] = e[i] * a.embed_scale;
-      std::copy(f, f + H, in.data() + t * 2 * H + H);
+      step_input(feat.data() + kept_rows[t] * H, a.embed + kept_tokens[t] * H, a.embed_scale, H, x.data() + t * H,
+                 in.data() + t * 2 * H);
       slot[t] = a.slot0[r] + s;
       pos[t] = a.pos0[r] + s;
     }
     next.resize(T * V);
-    DraftLayerArgs step = a.layer;
-    step.x = x.data();
-    step.attn_in = in.data();
-    step.attn_width = 2 * H;
-    step.T = T;
-    step.seq = seq.data();
-    step.slot = slot.data();
-    step.pos = pos.data();
-    step.hi = step.key_off = step.keys = nullptr;
-    step.head_index = nullptr;
-    step.head_rows = T;
-    step.logits = next.data();
-    draft_layer(step);
+    draft_step(a.layer, x.data(), in.data(), T, seq.data(), slot.data(), pos.data(), nullptr, nullptr, nullptr,
+               next.data());
     feat.swap(x);
     logits.swap(next);
     live = kept;
@@ -1514,11 +1529,10 @@ void draft_tree(const DraftTreeArgs& a) {
       std::vector<int64_t> next_rows(T);
       for (int64_t t = 0; t < T; ++t) {
         const int64_t node = first + best[t], parent = parents[node], row = static_cast<int64_t>(seq.size());
-        const float* f = feat.data() + tree.rows[best[t] / k] * H;
-        const float* e = a.embed + tokens[node] * H;
-        x.insert(x.end(), f, f + H);
-        for (int64_t i = 0; i < H; ++i) in.push_back(e[i] * a.embed_scale);
-        in.insert(in.end(), f, f + H);
+        x.resize((row + 1) * H);
+        in.resize((row + 1) * 2 * H);
+        step_input(feat.data() + tree.rows[best[t] / k] * H, a.embed + tokens[node] * H, a.embed_scale, H,
+                   x.data() + row * H, in.data() + row * 2 * H);
         seq.push_back(r);
         slot.push_back(tree.next_slot + t);
         pos.push_back(a.pos0[r] + d - 1);
@@ -1541,21 +1555,8 @@ void draft_tree(const DraftTreeArgs& a) {
     const int64_t T = static_cast<int64_t>(seq.size());
     if (T == 0) break;
     next.resize(T * V);
-    DraftLayerArgs step = a.layer;
-    step.x = x.data();
-    step.attn_in = in.data();
-    step.attn_width = 2 * H;
-    step.T = T;
-    step.seq = seq.data();
-    step.slot = slot.data();
-    step.pos = pos.data();
-    step.hi = hi.data();
-    step.key_off = key_off.data();
-    step.keys = keys.data();
-    step.head_index = nullptr;
-    step.head_rows = T;
-    step.logits = next.data();
-    draft_layer(step);
+    draft_step(a.layer, x.data(), in.data(), T, seq.data(), slot.data(), pos.data(), hi.data(), key_off.data(),
+               keys.data(), next.data());
     feat.swap(x);
     logits.swap(next);
   }
