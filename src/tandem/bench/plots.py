@@ -76,7 +76,8 @@ def _grouped_bars(ax, cats: list[str], series: dict[str, list[float]]) -> None:
     ax.set_xticks(range(len(cats)))
     ax.set_xticklabels(cats, rotation=25, ha="right", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    # beside the axes: with many methods a legend inside covers the last group's bars
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def plot_speedup_by_subtask(report: dict, path: str | Path) -> Path:
