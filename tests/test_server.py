@@ -516,9 +516,11 @@ def test_metrics_count_what_responses_report(spec_server):
 
 
 def test_full_queue_returns_503():
-    server, engine = start(chat_loaded(), max_num_seqs=1, max_queued=1)
+    # Held requests long enough that neither can finish while the full queue is probed (120
+    # tokens of the tiny model once ended within the probes on a fast CPU); leaving aborts them.
+    server, engine = start(chat_loaded(), max_num_seqs=1, max_queued=1, max_len=8192)
     try:
-        body = {"prompt": PROMPTS[0], "max_tokens": 120, "ignore_eos": True, "stream": True}
+        body = {"prompt": PROMPTS[0], "max_tokens": 8000, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=30) as http:
             holds = [http.stream("POST", server.url + "/completions", json=body) for _ in range(2)]
             responses = [h.__enter__() for h in holds]  # one running, one queued
