@@ -64,8 +64,8 @@ class EagleDrafter(HeadDrafter):
         rows = [i for i, inp in enumerate(batch) if all(len(inp.hidden.get(layer, ())) for layer in layers)]
         if not rows:
             return drafts
+        inputs = [batch[i] for i in rows]
         if self.spec.tree:
-            inputs = [batch[i] for i in rows]
             branches = [[] for _ in rows]
             if self.lookup is not None:
                 depth = self.spec.max_draft_len
@@ -76,7 +76,6 @@ class EagleDrafter(HeadDrafter):
                 size = self.spec.num_draft_tokens - len(branch)
                 drafts[i] = best_subtree(tokens, parents, scores, size).with_branch(branch)
             return drafts
-        inputs = [batch[i] for i in rows]
         if self.lookup is not None:
             looked = self.lookup.propose(inputs)
             for i, draft in zip(rows, looked):

@@ -1459,12 +1459,6 @@ float sum_exp_below(const float* x, int64_t n, float top) {
   return hsum8(total8);
 }
 
-bool all_finite_rows(const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) return false;
-  return true;
-}
-
 // One request's tree while it grows: its frontier (nodes, scores, and the rows of the last
 // call that hold their features and logits) and each expanded node's path of cache slots.
 struct GrowingTree {
@@ -1478,7 +1472,7 @@ struct GrowingTree {
 void draft_tree(const DraftTreeArgs& a) {
   const int64_t R = a.R, H = a.layer.H, V = a.layer.head->N, k = std::min(a.topk, V);
   std::vector<float> feat(a.feat, a.feat + R * H), logits(a.logits, a.logits + R * V), x, in, next;
-  std::vector<int64_t> ranked, best, seq, slot, pos, hi, key_off, keys;
+  std::vector<int64_t> ranked, best, argmax, seq, slot, pos, hi, key_off, keys;
   std::vector<GrowingTree> trees(R);
   for (int64_t r = 0; r < R; ++r) {
     trees[r].rows[0] = r;
@@ -1502,8 +1496,12 @@ void draft_tree(const DraftTreeArgs& a) {
       int64_t* parents = a.parents + r * a.capacity;
       float* scores = a.scores + r * a.capacity;
       const int64_t F = static_cast<int64_t>(tree.frontier.size());
+      argmax.resize(F);
       bool finite = true;
-      for (int64_t f = 0; f < F && finite; ++f) finite = all_finite_rows(logits.data() + tree.rows[f] * V, V);
+      for (int64_t f = 0; f < F && finite; ++f) {
+        argmax[f] = finite_argmax(logits.data() + tree.rows[f] * V, V);
+        finite = argmax[f] >= 0;
+      }
       if (!finite) {
         tree.growing = false;
         continue;
@@ -1511,7 +1509,7 @@ void draft_tree(const DraftTreeArgs& a) {
       const int64_t first = tree.n;
       for (int64_t f = 0; f < F; ++f) {
         const float* row = logits.data() + tree.rows[f] * V;
-        const float top = *std::max_element(row, row + V);
+        const float top = row[argmax[f]];
         const float log_sum = std::log(sum_exp_below(row, V, top));
         top_indices(row, V, k, ranked);
         for (int64_t id : ranked) {
