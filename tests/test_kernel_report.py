@@ -31,6 +31,21 @@ def test_the_report_measures_a_block_model(monkeypatch, capsys):
     kr.print_kernel_report(report)
     out = capsys.readouterr().out
     assert "weight-read floor" in out and "int8 peak" in out and "bf16 F.linear reference" in out
+    has_bf16 = bool(set(kr.BF16_MULTIPLY_FLAGS) & set(report.isa))
+    assert ("no bf16 multiply instructions" in out) == (not has_bf16)
+
+
+def test_the_bf16_line_says_when_the_cpu_cannot_multiply_bf16(capsys):
+    report = kr.KernelReport(
+        cpu="some CPU", cpu_model=None, isa=["avx2", "avx512f", "avx512_vnni"], kernels="tandem avx512", threads=2,
+        bandwidth_gb_s=20.0, int8_peak_gmac_s=500.0, tandem_bytes=10, gguf_bytes=10, floor_ms=1.0, macs_per_row=10,
+        context=300, step_ms=1.2, curve={1: 1.0, 16: 2.0}, extra_row_ms=0.1, extra_row_efficiency=0.4,
+        bf16_step_ms=4.0, bf16_curve={1: 1.0, 16: 3.0})
+    kr.print_kernel_report(report)
+    assert "no bf16 multiply instructions" in capsys.readouterr().out
+    report.isa.append("avx512_bf16")
+    kr.print_kernel_report(report)
+    assert "no bf16 multiply instructions" not in capsys.readouterr().out
 
 
 def test_gguf_step_bytes_skip_the_embedding_only_when_the_head_is_separate(tmp_path):

@@ -20,7 +20,9 @@ from tandem.model.kernels import block_kernels, cpu_flags, cpu_model, cpu_name, 
 
 CURVE = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 STEP_CONTEXT = 300
-ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+# Where a CPU has none of these, oneDNN multiplies bf16 by widening it to fp32 first.
+BF16_MULTIPLY_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass
@@ -149,6 +151,9 @@ def print_kernel_report(r: KernelReport) -> None:
     if r.bf16_curve:
         print("  bf16 F.linear reference (same linears + LM head, step %.2f ms):" % r.bf16_step_ms)
         print("           " + " ".join(f"{c:5.2f}" for c in r.bf16_curve.values()))
+        if not set(BF16_MULTIPLY_FLAGS) & set(r.isa):
+            print("  (this CPU has no bf16 multiply instructions (AVX512-BF16, AMX-BF16): oneDNN widens the weights "
+                  "to fp32 for each product, so this line is not the small-batch reference it is where they exist)")
     eff = f" = {r.extra_row_efficiency * 100:.0f}% of the int8 peak" if r.extra_row_efficiency else ""
     print(f"each extra verified row (n = 1..16): {r.extra_row_ms:.2f} ms for {r.macs_per_row / 1e6:.0f}M "
           f"multiply-adds{eff}")
