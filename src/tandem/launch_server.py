@@ -2,7 +2,7 @@
 its cost curve, and serve the OpenAI API with uvicorn.
 
     python -m tandem.launch_server --model-path smollm2-135m-instruct --speculative-algorithm suffix \\
-        --speculative-num-draft-tokens 4 --host 127.0.0.1 --port 8000 --max-running-requests 8
+        --speculative-num-draft-tokens 4 --host 127.0.0.1 --port 8000 --max-running-requests 64
 """
 
 from __future__ import annotations
