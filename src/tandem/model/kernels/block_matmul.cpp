@@ -1523,12 +1523,12 @@ void draft_tree(const DraftTreeArgs& a) {
       }
       if (d == a.depth[r]) continue;
       top_indices(scores + first, tree.n - first, std::min(a.topk, tree.n - first), best);
-      const int64_t T = static_cast<int64_t>(best.size());
-      std::vector<int64_t> next_rows(T);
+      // This request's new nodes take the call's next T rows, from first_row on.
+      const int64_t T = static_cast<int64_t>(best.size()), first_row = static_cast<int64_t>(seq.size());
+      x.resize((first_row + T) * H);
+      in.resize((first_row + T) * 2 * H);
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t node = first + best[t], parent = parents[node], row = static_cast<int64_t>(seq.size());
-        x.resize((row + 1) * H);
-        in.resize((row + 1) * 2 * H);
+        const int64_t node = first + best[t], parent = parents[node], row = first_row + t;
         step_input(feat.data() + tree.rows[best[t] / k] * H, a.embed + tokens[node] * H, a.embed_scale, H,
                    x.data() + row * H, in.data() + row * 2 * H);
         seq.push_back(r);
@@ -1539,16 +1539,16 @@ void draft_tree(const DraftTreeArgs& a) {
         tree.path_of[node].push_back(tree.next_slot + t);
         keys.insert(keys.end(), tree.path_of[node].begin(), tree.path_of[node].end());
         key_off.push_back(static_cast<int64_t>(keys.size()));
-        next_rows[t] = row;
       }
       tree.next_slot += T;
       tree.frontier.resize(T);
       tree.frontier_score.resize(T);
+      tree.rows.resize(T);
       for (int64_t t = 0; t < T; ++t) {
         tree.frontier[t] = first + best[t];
         tree.frontier_score[t] = scores[first + best[t]];
+        tree.rows[t] = first_row + t;
       }
-      tree.rows = next_rows;
     }
     const int64_t T = static_cast<int64_t>(seq.size());
     if (T == 0) break;
