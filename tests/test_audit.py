@@ -12,7 +12,8 @@ from tandem.audit import Auditor, binned_check, detectable_tv, make_bins, run_au
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters import Drafter, register
 from tandem.engine.engine import Engine
-from tandem.sampling import processed_probs
+from tandem.model.kernels import BlockKernels, block_kernels
+from tandem.sampling import native_sampling, processed_probs
 from tandem.types import Draft
 from tandem.verify import chain, grading, tree
 from tandem.verify.stats import total_variation
@@ -394,3 +395,51 @@ def test_audit_catches_output_penalties_missing_on_the_draft_rows(monkeypatch):
     monkeypatch.setattr(grading, "target_probs", drafts_not_counted)
     report = run_audit(engine("test_audit_sampled"), PENALTY_PROMPT, OUTPUT_PENALTY, rounds=2000, batch=100)
     assert failed(report, "position 2 token"), report.render()
+
+
+# The OpenAI default processing (temperature and min-p alone; the tiny target is flat, so a low
+# temperature and min-p concentrate it as top_k=3 does above): plain sampling, the drafters and
+# the verifier take tandem's kernels' sampling path (sampling.native_sampling), so the audit
+# must pass it and catch bugs planted there too.
+NATIVE = SamplingParams(temperature=0.05, min_p=0.2, max_tokens=8)
+needs_kernels = pytest.mark.skipif(block_kernels() is None, reason="tandem's CPU kernels do not run here")
+
+
+@needs_kernels
+def test_the_default_processing_takes_the_kernels_path():
+    assert native_sampling(NATIVE, target_logits(PROMPT)) is not None
+    assert native_sampling(PARAMS, target_logits(PROMPT)) is None  # top-k: torch's
+
+
+@needs_kernels
+@pytest.mark.parametrize("algorithm", ["test_audit_sampled", "ngram"])
+def test_audit_passes_the_kernels_chain_rule(algorithm):
+    report = run_audit(engine(algorithm), PROMPT, NATIVE, rounds=3000, batch=100)
+    ran = {c.name for c in report.checks if c.passed is not None}
+    assert "position 1 token" in ran, report.render()
+    assert report.passed, report.render()
+
+
+@needs_kernels
+def test_audit_fails_the_kernels_rule_fed_a_sampled_draft_as_deterministic(monkeypatch):
+    """Grading a sampled draft without its q accepts d with p(d), not min(1, p(d) / q(d)), and
+    draws the recovered token from p without d instead of max(0, p - q)."""
+    real = BlockKernels.grade_chain
+    monkeypatch.setattr(BlockKernels, "grade_chain", lambda self, logits, draft, q, *rest, **kw:
+                        real(self, logits, draft, None, *rest, **kw))
+    report = run_audit(engine("test_audit_sampled"), PROMPT, NATIVE, rounds=3000, batch=100)
+    assert not report.passed, report.render()
+
+
+@needs_kernels
+def test_audit_fails_the_kernels_rule_drawing_the_bonus_from_the_wrong_row(monkeypatch):
+    real = BlockKernels.grade_chain
+
+    def bonus_from_p_k(self, logits, draft, q, *rest, **kw):
+        rows = logits.clone()
+        rows[len(draft)] = logits[len(draft) - 1]
+        return real(self, rows, draft, q, *rest, **kw)
+
+    monkeypatch.setattr(BlockKernels, "grade_chain", bonus_from_p_k)
+    report = run_audit(engine("test_audit_sampled"), PROMPT, NATIVE, rounds=3000, batch=100)
+    assert failed(report, "bonus token"), report.render()

@@ -3,6 +3,13 @@
 The processed vector is exactly what plain sampling draws from; the verifier compares drafts
 against the same vectors (docs/algorithms.md section 1). Order: repetition penalty, presence and
 frequency penalties, temperature, top-k, top-p, min-p, then renormalise, all in fp32.
+
+On a CPU with tandem's kernels, a sampled request whose processing is temperature and min-p
+alone (the OpenAI default: no top-k, top-p or penalty) is processed, drawn from and graded by
+the kernels' sampling section (block_matmul.cpp; `native_sampling` says when), in one pass per
+row instead of a dozen tensor operations. Plain sampling, the drafters, the verifier and
+`tandem audit` all take that path for such a request, so each of its rows has one p wherever it
+is read.
 """
 
 from __future__ import annotations
@@ -11,11 +18,51 @@ import numpy as np
 import torch
 
 from tandem.config import SamplingParams
+from tandem.model.kernels import BlockKernels, SampleStatus, block_kernels
 from tandem.types import TokenLogprob
 
 
 class NonFiniteLogitsError(RuntimeError):
-    """The target produced NaN/inf logits for a request: it is ended, never turned into token ids."""
+    """The target produced NaN/inf logits for a request (or a row whose every token is refused):
+    it is ended, never turned into token ids."""
+
+
+def native_sampling(params: SamplingParams, logits: torch.Tensor) -> BlockKernels | None:
+    """The kernels that process, draw from and grade these rows of logits [N, V] for this
+    request, or None where torch does: a sampled request with no penalty, top-k or top-p (its
+    processing is temperature and min-p alone), on a CPU where tandem's kernels run."""
+    if params.greedy or params.penalized or logits.device.type != "cpu":
+        return None
+    if 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0:
+        return None
+    return block_kernels()
+
+
+def raise_for_status(status: int) -> None:
+    """The error a SampleStatus other than SAMPLED stands for."""
+    if status == SampleStatus.NON_FINITE:
+        raise NonFiniteLogitsError("the model produced NaN or inf logits")
+    if status == SampleStatus.NO_MASS:
+        raise NonFiniteLogitsError("the request's logit shift (structured output, logit bias) refuses every token")
+    if status == SampleStatus.BAD_TOKEN:
+        raise ValueError("a draft token is outside the vocabulary")
+    if status == SampleStatus.BAD_DRAFT_PROBS:
+        raise NonFiniteLogitsError("the draft probabilities contain NaN or inf")
+
+
+def native_rows(kernels: BlockKernels, logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None = None, shift: torch.Tensor | None = None,
+                probs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The kernels' processed distribution of each row of logits [N, V] (probs=True) and, given
+    a generator, one draw from each (one fp64 uniform per row, as `sample` takes): (p [N, V] or
+    None, tokens [N] or None). Raises NonFiniteLogitsError on NaN or inf logits."""
+    rows = logits.shape[0]
+    uniforms = None if generator is None else torch.rand(rows, generator=generator, dtype=torch.float64)
+    out, tokens, status = kernels.sample_rows(logits, torch.full((rows,), 1.0 / params.temperature),
+                                              torch.full((rows,), params.min_p), uniforms, shift, probs)
+    for code in status.tolist():
+        raise_for_status(code)
+    return out, tokens
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +118,9 @@ def processed_probs(
     added to the logits before anything else (`shifted`). Greedy (temperature 0) gives the
     one-hot vector of the argmax of the penalised logits.
     """
+    kernels = native_sampling(params, logits)
+    if kernels is not None:
+        return native_rows(kernels, logits, params, shift=shift)[0]
     logits = logits.float()
     if not all_finite(logits):
         raise NonFiniteLogitsError("the model produced NaN or inf logits")
@@ -103,6 +153,19 @@ def processed_probs(
         floor = params.min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample_processed(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                     seen_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """A drafter's token from one row of logits [1, V]: (its processed distribution q [1, V],
+    the token drawn from q, or q's argmax for a greedy request). Raises NonFiniteLogitsError
+    on NaN or inf logits."""
+    kernels = native_sampling(params, logits)
+    if kernels is not None:
+        q, tokens = native_rows(kernels, logits, params, generator)
+        return q, int(tokens[0])
+    q = processed_probs(logits, params, seen_ids)
+    return q, int(row_argmax(q[0])) if params.greedy else int(sample(q, generator)[0])
 
 
 def shifted(logits: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from tandem.drafters.heads.io import shipped_head_dir
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.runner import ModelRunner, SeqInput
-from tandem.sampling import NonFiniteLogitsError, processed_probs, row_argmax, sample
+from tandem.sampling import NonFiniteLogitsError, row_argmax, sample_processed
 from tandem.types import Draft
 
 # TargetInfo carries no context length or batch size: the draft cache holds the engine's default
@@ -217,14 +217,11 @@ class DraftModelDrafter(Drafter):
                 if tokens[j] >= 0:
                     continue
                 params = batch[i].params
-                try:
-                    q = processed_probs(logits[j : j + 1], params, seen[i])  # [1, V_d]
+                try:  # greedy with a repetition penalty: the argmax of the penalised row (one-hot q)
+                    q, tokens[j] = sample_processed(logits[j : j + 1], params, batch[i].generator, seen[i])  # [1, V_d]
                 except NonFiniteLogitsError:
                     continue  # a broken draft row ends this draft; the target decides alone
-                if params.greedy:  # one-hot q: the argmax after the repetition penalty
-                    tokens[j] = int(row_argmax(q[0]))
-                else:
-                    tokens[j] = int(sample(q, batch[i].generator)[0])
+                if not params.greedy:
                     q_rows[i].append(F.pad(q, (0, self.target.vocab_size - q.shape[-1])))
             return tokens
 

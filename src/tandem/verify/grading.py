@@ -16,7 +16,18 @@ from collections.abc import Sequence
 import torch
 
 from tandem.config import SamplingParams
-from tandem.sampling import NonFiniteLogitsError, all_finite, processed_probs, row_argmax, sample, shifted
+from tandem.model.kernels import BlockKernels
+from tandem.sampling import (
+    NonFiniteLogitsError,
+    all_finite,
+    native_rows,
+    native_sampling,
+    processed_probs,
+    raise_for_status,
+    row_argmax,
+    sample,
+    shifted,
+)
 from tandem.types import Draft, GreedyRows
 from tandem.verify.chain import verify_chain
 from tandem.verify.paths import tree_paths
@@ -60,6 +71,9 @@ def grade_round(
         if draft.is_tree:
             return grade_greedy_tree(logits, draft, shift, greedy)
         return grade_greedy_chain(logits, draft.token_ids, shift, greedy)
+    kernels = native_sampling(params, logits)
+    if kernels is not None and not draft.is_tree and (draft.probs is None or draft.probs.device.type == "cpu"):
+        return grade_chain_natively(kernels, logits, draft, params, generator, shift)
     probs = target_probs(logits, draft, params, context, num_prompt_tokens, shift)
     if draft.is_tree:
         result = verify_tree(probs, draft.token_ids, draft.parents, generator, params.greedy)
@@ -74,6 +88,24 @@ def grade_round(
     )
     accepted = int(result.num_accepted[0])
     return result.committed(0), list(range(accepted))
+
+
+def grade_chain_natively(kernels: BlockKernels, logits: torch.Tensor, draft: Draft, params: SamplingParams,
+                         generator: torch.Generator, shift: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
+    """The chain rule for a request sampling_native serves, in one kernel call
+    (BlockKernels.grade_chain): the same k + 1 uniforms from the request's generator as
+    verify_chain draws, the same tests and draws, over the kernels' processed rows, computed
+    only up to the first rejected draft."""
+    k, vocab = len(draft), logits.shape[-1]
+    q = draft.probs
+    if q is not None and (q.dim() != 2 or q.shape[0] < k or q.shape[1] != vocab):
+        raise ValueError(f"draft probabilities must be [>= {k}, {vocab}], got {list(q.shape)}")
+    uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64)
+    accepted, token, status = kernels.grade_chain(
+        logits[: k + 1], torch.tensor(draft.token_ids, dtype=torch.int64), q, uniforms, 1.0 / params.temperature,
+        params.min_p, None if shift is None else shift[: k + 1])
+    raise_for_status(status)
+    return [*draft.token_ids[:accepted], token], list(range(accepted))
 
 
 def grade_greedy_chain(logits: torch.Tensor, drafted: Sequence[int],
@@ -141,6 +173,9 @@ def sample_plain(
         if not all_finite(logits[-1]):
             raise NonFiniteLogitsError("the model produced NaN or inf logits")
         return int(row_argmax(shifted(logits[-1:], mask))[0])
+    kernels = native_sampling(params, logits)
+    if kernels is not None:
+        return int(native_rows(kernels, logits[-1:], params, generator, mask, probs=False)[1][0])
     probs = processed_probs(logits[-1:], params, seen_ids(context, params),
                             output_counts(context, params, num_prompt_tokens), mask)
     return int(sample(probs, generator)[0])

@@ -16,13 +16,7 @@ from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
 from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir
 from tandem.model.block_linear import BLOCK, BlockQ8Linear
 from tandem.model.kernels import block_kernels
-from tandem.sampling import (
-    NonFiniteLogitsError,
-    all_finite,
-    processed_probs,
-    row_argmax,
-    sample,
-)
+from tandem.sampling import NonFiniteLogitsError, all_finite, row_argmax, sample_processed
 from tandem.types import Draft
 
 
@@ -103,13 +97,10 @@ class HeadDrafter(Drafter):
             if r in plain:
                 continue
             try:
-                q = processed_probs(logits[r : r + 1], inp.params, seen[r])  # [1, V']
+                q, tokens[r] = sample_processed(logits[r : r + 1], inp.params, inp.generator, seen[r])  # [1, V']
             except NonFiniteLogitsError:
                 continue  # a broken head row ends this draft; the target decides alone
-            if inp.params.greedy:
-                tokens[r] = int(row_argmax(q[0]))
-            else:
-                tokens[r] = int(sample(q, inp.generator)[0])
+            if not inp.params.greedy:
                 qs[r] = self.full_vocab_q(q[0])
         if self.draft_ids is not None:
             tokens = [int(self.draft_ids[t]) if t >= 0 else -1 for t in tokens]

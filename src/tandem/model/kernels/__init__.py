@@ -60,8 +60,11 @@ from tandem.model.kernels.records import (
     DraftLayerArgs,
     DraftRows,
     DraftTreeArgs,
+    GradeArgs,
     LayerParts,
+    SampleStatus,
     LinearCall,
+    SampleArgs,
     TreeKeys,
     decoder_layers,
     kv_half,
@@ -73,7 +76,8 @@ from tandem.paths import cache_root
 # The package's face: the kernels, what they read, and which variant runs here.
 __all__ = [
     "GEGLU", "IDENTITY", "KERNEL_CHOICES", "RMS_NORM", "RMS_NORM_HALVES", "SWIGLU", "VARIANTS", "VARIANT_NAMES",
-    "BlockKernels", "BlockWeights", "DecoderShape", "DraftChain", "DraftLayer", "DraftRows", "LayerParts", "TreeKeys",
+    "BlockKernels", "BlockWeights", "DecoderShape", "DraftChain", "DraftLayer", "DraftRows", "LayerParts", "SampleStatus",
+    "TreeKeys",
     "block_kernels", "cpu_flags", "cpu_model", "cpu_name", "decoder_layers", "kernel_description", "load_variant",
     "selected_variant", "supported_variants",
 ]
@@ -102,12 +106,15 @@ class BlockKernels:
         self._linear_argmax = lib.tandem_linear_argmax
         self._linear_argmax.argtypes = [ctypes.POINTER(LinearCall), ctypes.c_void_p, ctypes.c_void_p]
         self._linear_argmax.restype = None
+        self._sample_rows = lib.tandem_sample_rows
+        self._grade_chain = lib.tandem_grade_chain
         self._peak = lib.tandem_int8_peak
         self._peak.argtypes = [ctypes.c_int64, ctypes.c_int]
         self._peak.restype = ctypes.c_int64
         for fn, args in ((self._linear, LinearCall), (self._attend, AttendArgs), (self._decoder, DecoderArgs),
                          (self._draft_layer, DraftLayerArgs), (self._draft_chain, DraftChainArgs),
-                         (self._draft_tree, DraftTreeArgs)):
+                         (self._draft_tree, DraftTreeArgs), (self._sample_rows, SampleArgs),
+                         (self._grade_chain, GradeArgs)):
             fn.argtypes = [ctypes.POINTER(args)]
             fn.restype = None
 
@@ -312,6 +319,43 @@ class BlockKernels:
         return [(tokens[r, :n].tolist(), parents[r, :n].tolist(), scores[r, :n].tolist())
                 for r, n in enumerate(count.tolist())]
 
+    def sample_rows(self, logits: torch.Tensor, inv_temperature: torch.Tensor, min_p: torch.Tensor,
+                    uniforms: torch.Tensor | None = None, shift: torch.Tensor | None = None, probs: bool = True
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """The default processed distribution of each row of logits [R, V] (block_matmul.cpp's
+        sampling section: temperature 1 / inv_temperature[r] and min_p[r], float32 [R] each;
+        shift [R or 1, V] added first) and, given uniforms [R] float64, one draw from each:
+        (p [R, V] or None, tokens [R] int64 or None, status [R] int32: a SampleStatus each)."""
+        R, V = logits.shape
+        logits = _rows(logits)
+        shift = None if shift is None else _rows(shift.float().expand(R, V))
+        out = torch.empty(R, V, dtype=torch.float32) if probs else None
+        tokens = torch.empty(R, dtype=torch.int64) if uniforms is not None else None
+        status = torch.empty(R, dtype=torch.int32)
+        args = SampleArgs(ptr(logits), R, V, logits.stride(0), ptr(shift), 0 if shift is None else shift.stride(0),
+                          ptr(inv_temperature), ptr(min_p), ptr(uniforms), ptr(out), ptr(tokens), ptr(status),
+                          torch.get_num_threads())
+        self._sample_rows(ctypes.byref(args))
+        return out, tokens, status
+
+    def grade_chain(self, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, uniforms: torch.Tensor,
+                    inv_temperature: float, min_p: float, shift: torch.Tensor | None = None) -> tuple[int, int, int]:
+        """One request's chain draft (draft [k] int64; q [>= k, V] float32 rows it was drawn
+        from, None for a deterministic draft) graded against the target's rows of logits
+        [k + 1, V] (shift [k + 1, V] added first) by the chain rule with uniforms [k + 1]
+        float64: (accepted drafts, the token after them, a SampleStatus)."""
+        k, V = len(draft), logits.shape[1]
+        logits = _rows(logits)
+        shift = None if shift is None else _rows(shift.float())
+        q = None if q is None else _rows(q)
+        result = torch.zeros(3, dtype=torch.int64)  # accepted, token, status
+        args = GradeArgs(ptr(logits), k, V, logits.stride(0), ptr(shift), 0 if shift is None else shift.stride(0),
+                         inv_temperature, min_p, ptr(draft), ptr(q), 0 if q is None else q.stride(0), ptr(uniforms),
+                         ptr(result), result.data_ptr() + 8, result.data_ptr() + 16)
+        self._grade_chain(ctypes.byref(args))
+        accepted, token, status = result.tolist()
+        return accepted, token, status
+
     def _draft_layer_args(self, layer: "DraftLayer", caches: list[tuple[torch.Tensor, torch.Tensor]],
                           with_head: bool) -> tuple["DraftLayerArgs", tuple]:
         """The fields of a draft layer call that do not depend on its rows, and the objects
@@ -327,6 +371,12 @@ class BlockKernels:
             kv_half(caches[0][0], caches[0][1]),
         )
         return args, (k_ptrs, v_ptrs, capacity, head)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as float32 rows the kernels read (unit stride along a row; any stride between rows)."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def kernel_description() -> str:

@@ -1589,6 +1589,216 @@ int64_t int8_peak(int64_t iters, int threads) {
   return total;
 }
 
+// ---- sampling: the default processed distribution, inverse-CDF draws, the chain rule --------
+//
+// For a request whose processing is temperature T and min-p only (no top-k, top-p or penalty;
+// sampling.py sends the others to torch), a row of logits x and its shift s (0, a logit bias, or
+// -inf for a refused token) give, in fp32:
+//   w_t = exp((x_t + s_t - M) / T), M the row's largest x + s, so the top token's w is 1; w_t = 0
+//         where x_t + s_t = -inf or w_t < min_p (p_t < min_p * max p);
+//   Z   = the sum of w, over blocks of kDrawBlock tokens: fp32 within a block, fp64 across them;
+//   p_t = w_t * float(1 / Z).
+// Every row is read by one thread in a fixed order, so p and every draw from it depend on
+// neither the thread count nor the variant (exp8 is the same AVX2 code in all of them).
+//
+// A draw with a uniform u in [0, 1) takes the first token whose running sum of weights exceeds
+// u * (their total): a block by the blocks' sums, then a token inside it. A weight-0 token is
+// never drawn. The chain rule (docs/algorithms.md section 1) grades a draft d_1..d_k with k + 1
+// uniforms: d_i passes when u_i * q_i(d_i) < p_i(d_i) (q = 1 for a deterministic draft); at the
+// first failure the token comes from max(0, p_i - q_i) (p_i without d_i for a deterministic
+// draft; p_i itself when nothing is left), after a full run from p_{k+1}; u_{k+1} draws it.
+
+constexpr int64_t kDrawBlock = 256;
+
+enum SampleStatus : int32_t { kSampled = 0, kNonFinite = 1, kNoMass = 2, kBadToken = 3, kBadDraftProbs = 4 };
+
+struct DrawWeights {        // one row's unnormalised weights and their block sums
+  std::vector<float> w;
+  std::vector<double> block;
+  double total = 0;
+
+  void size_for(int64_t V) {
+    w.resize(V);
+    block.resize((V + kDrawBlock - 1) / kDrawBlock);
+  }
+};
+
+// The block sums (and their total) of weights w[0..V).
+double sum_blocks(const float* w, int64_t V, double* block) {
+  double total = 0;
+  for (int64_t lo = 0, b = 0; lo < V; lo += kDrawBlock, ++b) {
+    const int64_t hi = std::min(V, lo + kDrawBlock);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t t = lo;
+    for (; t + 8 <= hi; t += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(w + t));
+    if (t < hi) acc = _mm256_add_ps(acc, _mm256_maskload_ps(w + t, tail_mask(hi - t)));
+    block[b] = hsum8(acc);
+    total += block[b];
+  }
+  return total;
+}
+
+// x (+ shift) -> the weights of the processed distribution (above), into d. Returns kNonFinite
+// when x holds NaN or +-inf and kNoMass when the shift refuses every token.
+int32_t row_weights(const float* x, const float* shift, int64_t V, float inv_t, float min_p, DrawWeights& d) {
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  __m256 best = neg_inf, bad = _mm256_setzero_ps();  // bad: x * 0 is NaN where x is NaN or inf
+  int64_t t = 0;
+  auto logit = [&](int64_t at, __m256i mask) {
+    __m256 v = _mm256_maskload_ps(x + at, mask);
+    bad = _mm256_add_ps(bad, _mm256_mul_ps(v, _mm256_setzero_ps()));
+    if (shift != nullptr) v = _mm256_add_ps(v, _mm256_maskload_ps(shift + at, mask));
+    return _mm256_blendv_ps(neg_inf, v, _mm256_castsi256_ps(mask));
+  };
+  const __m256i all = _mm256_set1_epi32(-1);
+  for (; t + 8 <= V; t += 8) best = _mm256_max_ps(best, logit(t, all));
+  if (t < V) best = _mm256_max_ps(best, logit(t, tail_mask(V - t)));
+  if (std::isnan(hsum8(bad))) return kNonFinite;
+  const float top = hmax8(best);
+  if (top == -INFINITY) return kNoMass;
+  const __m256 m = _mm256_set1_ps(top), scale = _mm256_set1_ps(inv_t), floor = _mm256_set1_ps(min_p);
+  auto weight = [&](int64_t at, __m256i mask) {
+    const __m256 v = logit(at, mask);
+    const __m256 w = exp8(_mm256_mul_ps(_mm256_sub_ps(v, m), scale));
+    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, neg_inf, _CMP_NEQ_OQ), _mm256_cmp_ps(w, floor, _CMP_GE_OQ));
+    return _mm256_and_ps(w, keep);
+  };
+  d.size_for(V);
+  for (t = 0; t + 8 <= V; t += 8) _mm256_storeu_ps(d.w.data() + t, weight(t, all));
+  if (t < V) _mm256_maskstore_ps(d.w.data() + t, tail_mask(V - t), weight(t, tail_mask(V - t)));
+  d.total = sum_blocks(d.w.data(), V, d.block.data());
+  return kSampled;
+}
+
+// The first token whose running weight exceeds u * total (see the section's header).
+int64_t draw(const float* w, const double* block, int64_t V, double total, double u) {
+  const double target = u * total;
+  const int64_t blocks = static_cast<int64_t>((V + kDrawBlock - 1) / kDrawBlock);
+  double before = 0;
+  int64_t b = 0;
+  for (; b < blocks; ++b) {
+    if (block[b] > 0 && before + block[b] > target) break;
+    before += block[b];
+  }
+  if (b == blocks) {  // rounding put the target past the last block: its last token with weight
+    for (int64_t t = V - 1; t >= 0; --t)
+      if (w[t] > 0) return t;
+    return 0;
+  }
+  int64_t last = -1;
+  double run = before;
+  for (int64_t t = b * kDrawBlock, hi = std::min(V, t + kDrawBlock); t < hi; ++t) {
+    if (w[t] <= 0) continue;
+    last = t;
+    run += w[t];
+    if (run > target) return t;
+  }
+  return last;  // rounding between the block's fp32 sum and its tokens' fp64 running sum
+}
+
+struct SampleArgs {
+  const float* logits;  // row r at logits + r * ld, `vocab` wide
+  int64_t rows, vocab, ld;
+  const float* shift;   // the same layout (shift_ld), or null
+  int64_t shift_ld;
+  const float* inv_temperature;  // [rows]
+  const float* min_p;            // [rows]
+  const double* uniforms;        // [rows], or null: no draw
+  float* probs;                  // [rows, vocab] p out, or null
+  int64_t* tokens;               // [rows] the draws out (with uniforms)
+  int32_t* status;               // [rows]
+  int threads;
+};
+
+// Each row's processed distribution (into probs) and one draw from it (into tokens).
+void sample_rows(const SampleArgs& a) {
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(a.threads, a.rows)))
+  {
+    DrawWeights d;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const float* shift = a.shift == nullptr ? nullptr : a.shift + r * a.shift_ld;
+      a.status[r] = row_weights(a.logits + r * a.ld, shift, a.vocab, a.inv_temperature[r], a.min_p[r], d);
+      if (a.status[r] != kSampled) continue;
+      const float inv_total = static_cast<float>(1.0 / d.total);
+      if (a.probs != nullptr) {
+        float* p = a.probs + r * a.vocab;
+        for (int64_t t = 0; t < a.vocab; ++t) p[t] = d.w[t] * inv_total;
+      }
+      if (a.uniforms != nullptr) a.tokens[r] = draw(d.w.data(), d.block.data(), a.vocab, d.total, a.uniforms[r]);
+    }
+  }
+}
+
+struct GradeArgs {
+  const float* logits;  // [k + 1] rows at logits + i * ld: the target's rows for d_1..d_k and the bonus
+  int64_t k, vocab, ld;
+  const float* shift;   // the same layout (shift_ld), or null
+  int64_t shift_ld;
+  float inv_temperature, min_p;
+  const int64_t* draft;  // [k]
+  const float* q;        // [k] rows of q at q + i * q_ld, or null: a deterministic draft
+  int64_t q_ld;
+  const double* uniforms;  // [k + 1]
+  int64_t* accepted;
+  int64_t* token;
+  int64_t* status;
+};
+
+// One request's chain, graded by the rule in the section's header; the target's rows are
+// processed lazily, up to the first failure.
+void grade_chain(const GradeArgs& a) {
+  const int64_t V = a.vocab;
+  *a.status = kSampled;
+  for (int64_t i = 0; i < a.k; ++i) {
+    if (a.draft[i] < 0 || a.draft[i] >= V) {
+      *a.status = kBadToken;
+      return;
+    }
+    if (a.q != nullptr) {  // a NaN or inf anywhere in a q row makes its x * 0 sum NaN
+      __m256 bad = _mm256_setzero_ps();
+      const float* q = a.q + i * a.q_ld;
+      int64_t t = 0;
+      for (; t + 8 <= V; t += 8) bad = _mm256_add_ps(bad, _mm256_mul_ps(_mm256_loadu_ps(q + t), _mm256_setzero_ps()));
+      for (; t < V; ++t)
+        if (!std::isfinite(q[t])) bad = _mm256_set1_ps(NAN);
+      if (std::isnan(hsum8(bad))) {
+        *a.status = kBadDraftProbs;
+        return;
+      }
+    }
+  }
+  DrawWeights d, rest;
+  for (int64_t i = 0; i <= a.k; ++i) {
+    const float* shift = a.shift == nullptr ? nullptr : a.shift + i * a.shift_ld;
+    *a.status = row_weights(a.logits + i * a.ld, shift, V, a.inv_temperature, a.min_p, d);
+    if (*a.status != kSampled) return;
+    const float inv_total = static_cast<float>(1.0 / d.total);
+    if (i == a.k) {  // every draft passed: the bonus token from p_{k+1}
+      *a.accepted = a.k;
+      *a.token = draw(d.w.data(), d.block.data(), V, d.total, a.uniforms[a.k]);
+      return;
+    }
+    const int64_t drafted = a.draft[i];
+    const float p = d.w[drafted] * inv_total;
+    const float* q = a.q == nullptr ? nullptr : a.q + i * a.q_ld;
+    const double q_at = q == nullptr ? 1.0 : static_cast<double>(q[drafted]);
+    if (a.uniforms[i] * q_at < static_cast<double>(p)) continue;
+    *a.accepted = i;
+    rest.size_for(V);
+    if (q == nullptr) {
+      std::copy(d.w.begin(), d.w.end(), rest.w.begin());
+      rest.w[drafted] = 0.f;
+    } else {
+      for (int64_t t = 0; t < V; ++t) rest.w[t] = std::max(d.w[t] * inv_total - q[t], 0.f);
+    }
+    rest.total = sum_blocks(rest.w.data(), V, rest.block.data());
+    const DrawWeights& from = rest.total > 0 ? rest : d;
+    *a.token = draw(from.w.data(), from.block.data(), V, from.total, a.uniforms[a.k]);
+    return;
+  }
+}
+
 }  // namespace (API below)
 
 extern "C" {
@@ -1623,4 +1833,6 @@ void tandem_draft_layer(const DraftLayerArgs* a) { draft_layer(*a); }
 void tandem_draft_chain(const DraftChainArgs* a) { draft_chain(*a); }
 void tandem_draft_tree(const DraftTreeArgs* a) { draft_tree(*a); }
 int64_t tandem_int8_peak(int64_t iters, int threads) { return int8_peak(iters, threads); }
+void tandem_sample_rows(const SampleArgs* a) { sample_rows(*a); }
+void tandem_grade_chain(const GradeArgs* a) { grade_chain(*a); }
 }

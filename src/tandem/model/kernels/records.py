@@ -5,6 +5,7 @@ parts, tree keys, a draft layer's rows and a greedy draft chain's inputs."""
 from __future__ import annotations
 
 import ctypes
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,35 @@ class DraftTreeArgs(ctypes.Structure):
         ("vocab_ids", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("embed_scale", ctypes.c_float),
         ("capacity", ctypes.c_int64), ("tokens", ctypes.c_void_p), ("parents", ctypes.c_void_p),
         ("scores", ctypes.c_void_p), ("count", ctypes.c_void_p),
+    ]
+
+
+class SampleStatus(enum.IntEnum):
+    """What tandem_sample_rows and tandem_grade_chain report (block_matmul.cpp's SampleStatus)."""
+
+    SAMPLED = 0
+    NON_FINITE = 1  # the logits hold NaN or inf
+    NO_MASS = 2  # the shift refuses every token
+    BAD_TOKEN = 3  # a draft token outside the vocabulary
+    BAD_DRAFT_PROBS = 4  # a q row holds NaN or inf
+
+
+class SampleArgs(ctypes.Structure):
+    _fields_ = [
+        ("logits", ctypes.c_void_p), ("rows", ctypes.c_int64), ("vocab", ctypes.c_int64), ("ld", ctypes.c_int64),
+        ("shift", ctypes.c_void_p), ("shift_ld", ctypes.c_int64), ("inv_temperature", ctypes.c_void_p),
+        ("min_p", ctypes.c_void_p), ("uniforms", ctypes.c_void_p), ("probs", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p), ("status", ctypes.c_void_p), ("threads", ctypes.c_int),
+    ]
+
+
+class GradeArgs(ctypes.Structure):
+    _fields_ = [
+        ("logits", ctypes.c_void_p), ("k", ctypes.c_int64), ("vocab", ctypes.c_int64), ("ld", ctypes.c_int64),
+        ("shift", ctypes.c_void_p), ("shift_ld", ctypes.c_int64), ("inv_temperature", ctypes.c_float),
+        ("min_p", ctypes.c_float), ("draft", ctypes.c_void_p), ("q", ctypes.c_void_p), ("q_ld", ctypes.c_int64),
+        ("uniforms", ctypes.c_void_p), ("accepted", ctypes.c_void_p), ("token", ctypes.c_void_p),
+        ("status", ctypes.c_void_p),
     ]
 
 
