@@ -1,6 +1,7 @@
 """tandem's own CPU kernels (block_matmul.cpp): block-quantized weights times int8-quantized
-activations, a small-batch GEMM that reads each weight block once for every row of a call, and
-the decoder layer loop in one native call.
+activations, a small-batch GEMM that reads each weight block once for every row of a call, the
+decoder layer loop in one native call, and sampling (the default processing of a row of logits,
+draws from it and the chain rule of verification).
 
 The source is compiled with the local g++ at first use (a few seconds) once per instruction-set
 variant, cached under TANDEM_CACHE_DIR/kernels keyed by the source and flags, and called through

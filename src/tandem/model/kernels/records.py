@@ -1,6 +1,7 @@
 """The records tandem's kernels read (block_matmul.cpp's structs, mirrored with ctypes) and the
 Python descriptions they are built from: a linear layer's repacked weights, a decoder layer's
-parts, tree keys, a draft layer's rows and a greedy draft chain's inputs."""
+parts, tree keys, a draft layer's rows, a greedy draft chain's inputs, and the sampling calls'
+arguments and status."""
 
 from __future__ import annotations
 
