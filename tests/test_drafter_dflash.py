@@ -334,13 +334,14 @@ def test_a_round_the_drafter_missed_restarts_its_caches(saved_dflash):
 def test_audit_fails_a_q_that_is_not_the_one_sampled_from(saved_dflash, monkeypatch):
     """Negative control: report a flattened q (q ** 0.1 renormalised, not the q each token was
     drawn from) and the committed tokens stop following the target."""
-    original = DFlashDrafter.full_vocab_q
+    original = DFlashDrafter.choose
 
-    def flattened(self, q):
-        flat = q.clamp(min=0) ** 0.1
-        return original(self, flat / flat.sum())
+    def flattened(self, inputs, seen, logits):
+        tokens, qs = original(self, inputs, seen, logits)
+        flat = [None if q is None else q.clamp(min=0) ** 0.1 for q in qs]
+        return tokens, [None if q is None else q / q.sum() for q in flat]
 
-    monkeypatch.setattr(DFlashDrafter, "full_vocab_q", flattened)
+    monkeypatch.setattr(DFlashDrafter, "choose", flattened)
     _, checks = audit(make_llm("dflash", saved_dflash, k=2, lookup=False), SamplingParams(temperature=1.0), seed=1)
     ran = [c for c in checks if c.passed is not None]
     assert ran and not all(c.passed for c in ran), checks

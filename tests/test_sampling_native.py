@@ -190,3 +190,18 @@ def test_bad_drafts_are_refused():
     x[2, 0] = INF
     assert kernels().grade_chain(x, torch.tensor([3, 4]), None, torch.zeros(3, dtype=torch.float64), 1.0,
                                  0.0)[2] == SampleStatus.NON_FINITE
+
+
+def test_a_draft_vocabulary_reports_q_over_the_targets():
+    """into=(ids, width): q of row index t lands at ids[t] of a `width`-wide row, zeros elsewhere,
+    on the kernels' path and torch's alike; the token stays a row index."""
+    x = logits(1, 300, 13)
+    ids = torch.randperm(1000, generator=torch.Generator().manual_seed(14))[:300]
+    params = SamplingParams(temperature=0.8)
+    q, token = sample_processed(x, params, torch.Generator().manual_seed(15), into=(ids, 1000))
+    assert q.shape == (1, 1000) and torch.equal(q[0, ids], processed_probs(x, params)[0])
+    assert q.sum() == q[0, ids].sum() and q[0, ids[token]] > 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampling, "native_sampling", lambda *_: None)
+        q_torch, _ = sample_processed(x, params, torch.Generator().manual_seed(15), into=(ids, 1000))
+    assert torch.allclose(q, q_torch, atol=2e-6) and torch.equal(q == 0, q_torch == 0)

@@ -47,8 +47,8 @@ from tandem.engine.engine import Engine
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator, processed_probs
+from tandem.types import rooted_parents
 from tandem.verify import grading
-from tandem.verify.paths import rooted_parents
 from tandem.verify.stats import chi_square_test, total_variation, tv_bound
 
 MIN_GROUP = 200  # fewer samples than this: the check is skipped

@@ -52,14 +52,16 @@ def raise_for_status(status: int) -> None:
 
 def native_rows(kernels: BlockKernels, logits: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator | None = None, shift: torch.Tensor | None = None,
-                probs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The kernels' processed distribution of each row of logits [N, V] (probs=True) and, given
-    a generator, one draw from each (one fp64 uniform per row, as `sample` takes): (p [N, V] or
-    None, tokens [N] or None). Raises NonFiniteLogitsError on NaN or inf logits."""
+                probs: bool = True, into: tuple[torch.Tensor, int] | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The kernels' processed distribution of each row of logits [N, V] (probs=True; into: as
+    BlockKernels.sample_rows') and, given a generator, one draw from each (one fp64 uniform per
+    row, as `sample` takes): (p [N, V] or None, tokens [N] or None). Raises
+    NonFiniteLogitsError on NaN or inf logits."""
     rows = logits.shape[0]
     uniforms = None if generator is None else torch.rand(rows, generator=generator, dtype=torch.float64)
     out, tokens, status = kernels.sample_rows(logits, torch.full((rows,), 1.0 / params.temperature),
-                                              torch.full((rows,), params.min_p), uniforms, shift, probs)
+                                              torch.full((rows,), params.min_p), uniforms, shift, probs, into)
     for code in status.tolist():
         raise_for_status(code)
     return out, tokens
@@ -156,16 +158,23 @@ def processed_probs(
 
 
 def sample_processed(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                     seen_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                     seen_ids: torch.Tensor | None = None, into: tuple[torch.Tensor, int] | None = None
+                     ) -> tuple[torch.Tensor, int]:
     """A drafter's token from one row of logits [1, V]: (its processed distribution q [1, V],
-    the token drawn from q, or q's argmax for a greedy request). Raises NonFiniteLogitsError
-    on NaN or inf logits."""
+    the token drawn from q, or q's argmax for a greedy request). into=(ids [V], width): q is
+    reported over `width` tokens, q_t at ids[t] and zero elsewhere (a draft vocabulary's q over
+    the target's); the token stays an index of the row. Raises NonFiniteLogitsError on NaN or
+    inf logits."""
     kernels = native_sampling(params, logits)
     if kernels is not None:
-        q, tokens = native_rows(kernels, logits, params, generator)
+        q, tokens = native_rows(kernels, logits, params, generator, into=into)
         return q, int(tokens[0])
     q = processed_probs(logits, params, seen_ids)
-    return q, int(row_argmax(q[0])) if params.greedy else int(sample(q, generator)[0])
+    token = int(row_argmax(q[0])) if params.greedy else int(sample(q, generator)[0])
+    if into is not None:
+        ids, width = into
+        q = torch.zeros(1, width, dtype=q.dtype, device=q.device).index_copy_(1, ids.to(q.device), q)
+    return q, token
 
 
 def shifted(logits: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:

@@ -33,9 +33,8 @@ from tandem.sampling import NonFiniteLogitsError, make_generator, token_logprobs
 from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.factory import create_policy
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy
-from tandem.types import Draft, GreedyRows, SpecStats
+from tandem.types import Draft, GreedyRows, SpecStats, rooted_parents, tree_paths
 from tandem.verify import grading
-from tandem.verify.paths import rooted_parents, tree_paths
 
 log = logging.getLogger("tandem.engine")
 

@@ -16,8 +16,7 @@ from tandem.model.fused import FUSED_ROW_BUDGET, FusedDecoder
 from tandem.model.kernels import TreeKeys
 from tandem.model.kv_cache import KVCache
 from tandem.model.transformer import AttentionPlan, AttentionSegment, TransformerLM
-from tandem.types import GreedyRows
-from tandem.verify.paths import tree_paths
+from tandem.types import GreedyRows, tree_paths
 
 
 @dataclass

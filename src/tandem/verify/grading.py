@@ -28,9 +28,8 @@ from tandem.sampling import (
     sample,
     shifted,
 )
-from tandem.types import Draft, GreedyRows
+from tandem.types import Draft, GreedyRows, tree_paths
 from tandem.verify.chain import verify_chain
-from tandem.verify.paths import tree_paths
 from tandem.verify.tree import children_of, verify_tree
 
 

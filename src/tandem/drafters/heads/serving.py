@@ -67,6 +67,8 @@ class HeadDrafter(Drafter):
         self.draft_ids = None if draft_ids is None else draft_ids.to(self.device)
         # target id -> draft index (-1 outside the draft vocabulary), for repetition penalties.
         self.to_draft = None
+        # A reduced draft vocabulary reports q over the target's: q of draft index t at draft_ids[t].
+        self.into = None if self.draft_ids is None else (self.draft_ids.long().contiguous(), target.vocab_size)
         if self.draft_ids is not None:
             self.to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long, device=self.device)
             self.to_draft[self.draft_ids] = torch.arange(len(self.draft_ids), device=self.device)
@@ -97,22 +99,15 @@ class HeadDrafter(Drafter):
             if r in plain:
                 continue
             try:
-                q, tokens[r] = sample_processed(logits[r : r + 1], inp.params, inp.generator, seen[r])  # [1, V']
+                q, tokens[r] = sample_processed(logits[r : r + 1], inp.params, inp.generator, seen[r], self.into)
             except NonFiniteLogitsError:
                 continue  # a broken head row ends this draft; the target decides alone
             if not inp.params.greedy:
-                qs[r] = self.full_vocab_q(q[0])
+                qs[r] = q[0]
         if self.draft_ids is not None:
             tokens = [int(self.draft_ids[t]) if t >= 0 else -1 for t in tokens]
         return tokens, qs
 
-    def full_vocab_q(self, q: torch.Tensor) -> torch.Tensor:
-        """q over the head's vocabulary [V'] -> over the target's [V] (zeros outside a draft vocab)."""
-        if self.draft_ids is None:
-            return q
-        full = torch.zeros(self.target.vocab_size, dtype=q.dtype, device=q.device)
-        full[self.draft_ids] = q
-        return full
 
 
 def make_draft(tokens: list[int], qs: list[torch.Tensor | None]):

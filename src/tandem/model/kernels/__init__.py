@@ -321,21 +321,25 @@ class BlockKernels:
                 for r, n in enumerate(count.tolist())]
 
     def sample_rows(self, logits: torch.Tensor, inv_temperature: torch.Tensor, min_p: torch.Tensor,
-                    uniforms: torch.Tensor | None = None, shift: torch.Tensor | None = None, probs: bool = True
+                    uniforms: torch.Tensor | None = None, shift: torch.Tensor | None = None, probs: bool = True,
+                    into: tuple[torch.Tensor, int] | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """The default processed distribution of each row of logits [R, V] (block_matmul.cpp's
         sampling section: temperature 1 / inv_temperature[r] and min_p[r], float32 [R] each;
         shift [R or 1, V] added first) and, given uniforms [R] float64, one draw from each:
-        (p [R, V] or None, tokens [R] int64 or None, status [R] int32: a SampleStatus each)."""
+        (p [R, V] or None, tokens [R] int64 or None, status [R] int32: a SampleStatus each).
+        into=(ids [V] int64, width): p is reported over `width` tokens instead, p_t at ids[t]
+        (a draft vocabulary's q over the target's), zero elsewhere."""
         R, V = logits.shape
         logits = _rows(logits)
         shift = None if shift is None else _rows(shift.float().expand(R, V))
-        out = torch.empty(R, V, dtype=torch.float32) if probs else None
+        ids, width = (None, V) if into is None else into
+        out = (torch.zeros if into is not None else torch.empty)(R, width, dtype=torch.float32) if probs else None
         tokens = torch.empty(R, dtype=torch.int64) if uniforms is not None else None
         status = torch.empty(R, dtype=torch.int32)
         args = SampleArgs(ptr(logits), R, V, logits.stride(0), ptr(shift), 0 if shift is None else shift.stride(0),
-                          ptr(inv_temperature), ptr(min_p), ptr(uniforms), ptr(out), ptr(tokens), ptr(status),
-                          torch.get_num_threads())
+                          ptr(inv_temperature), ptr(min_p), ptr(uniforms), ptr(out), ptr(ids), width, ptr(tokens),
+                          ptr(status), torch.get_num_threads())
         self._sample_rows(ctypes.byref(args))
         return out, tokens, status
 

@@ -1705,7 +1705,9 @@ struct SampleArgs {
   const float* inv_temperature;  // [rows]
   const float* min_p;            // [rows]
   const double* uniforms;        // [rows], or null: no draw
-  float* probs;                  // [rows, vocab] p out, or null
+  float* probs;                  // [rows, vocab] p out, or null; with out_ids [rows, out_width],
+  const int64_t* out_ids;        // p_t written at out_ids[t] of its row (the rest left as it is)
+  int64_t out_width;
   int64_t* tokens;               // [rows] the draws out (with uniforms)
   int32_t* status;               // [rows]
   int threads;
@@ -1722,7 +1724,10 @@ void sample_rows(const SampleArgs& a) {
       a.status[r] = row_weights(a.logits + r * a.ld, shift, a.vocab, a.inv_temperature[r], a.min_p[r], d);
       if (a.status[r] != kSampled) continue;
       const float inv_total = static_cast<float>(1.0 / d.total);
-      if (a.probs != nullptr) {
+      if (a.probs != nullptr && a.out_ids != nullptr) {
+        float* p = a.probs + r * a.out_width;
+        for (int64_t t = 0; t < a.vocab; ++t) p[a.out_ids[t]] = d.w[t] * inv_total;
+      } else if (a.probs != nullptr) {
         float* p = a.probs + r * a.vocab;
         for (int64_t t = 0; t < a.vocab; ++t) p[t] = d.w[t] * inv_total;
       }
