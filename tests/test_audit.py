@@ -13,6 +13,7 @@ from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters import Drafter, register
 from tandem.engine.engine import Engine
 from tandem.model.kernels import BlockKernels, block_kernels
+from tandem import sampling
 from tandem.sampling import native_sampling, processed_probs
 from tandem.types import Draft
 from tandem.verify import chain, grading, tree
@@ -135,13 +136,27 @@ def test_audit_fails_soft_q_for_argmax_drafts():
     assert failed(report, "position 1 token"), report.render()
 
 
-def test_audit_fails_unclamped_residual(monkeypatch):
+@pytest.fixture
+def torch_grading(monkeypatch):
+    """Requests without a penalty are processed and graded by tandem's kernels where they run
+    (sampling.native_sampling); these controls plant their bugs in torch's path, which penalised
+    requests and GPUs take, so they send every request there."""
+    monkeypatch.setattr(sampling, "native_sampling", lambda *_: None)
+    monkeypatch.setattr(grading, "native_sampling", lambda *_: None)
+
+
+def test_audit_passes_sampled_drafter_on_torchs_path(torch_grading):
+    report = run_audit(engine("test_audit_sampled"), PROMPT, PARAMS, rounds=3000, batch=100)
+    assert report.passed, report.render()
+
+
+def test_audit_fails_unclamped_residual(monkeypatch, torch_grading):
     monkeypatch.setattr(chain, "_residual_", lambda p, q: p.sub_(q).abs_())
     report = run_audit(engine("test_audit_sampled"), PROMPT, PARAMS, rounds=3000, batch=100)
     assert failed(report, "recovered token (position 1)"), report.render()
 
 
-def test_audit_fails_bonus_from_wrong_row(monkeypatch):
+def test_audit_fails_bonus_from_wrong_row(monkeypatch, torch_grading):
     real = chain.verify_chain
 
     def bonus_from_p_k(target_probs, draft_tokens, draft_probs, num_drafts, generators, greedy):
@@ -397,18 +412,19 @@ def test_audit_catches_output_penalties_missing_on_the_draft_rows(monkeypatch):
     assert failed(report, "position 2 token"), report.render()
 
 
-# The OpenAI default processing (temperature and min-p alone; the tiny target is flat, so a low
-# temperature and min-p concentrate it as top_k=3 does above): plain sampling, the drafters and
-# the verifier take tandem's kernels' sampling path (sampling.native_sampling), so the audit
+# Without a penalty, plain sampling, the drafters and the verifier take tandem's kernels'
+# sampling path (sampling.native_sampling: PARAMS above with its top-k, and min-p here; the tiny
+# target is flat, so a low temperature and min-p concentrate it as top_k=3 does), so the audit
 # must pass it and catch bugs planted there too.
 NATIVE = SamplingParams(temperature=0.05, min_p=0.2, max_tokens=8)
 needs_kernels = pytest.mark.skipif(block_kernels() is None, reason="tandem's CPU kernels do not run here")
 
 
 @needs_kernels
-def test_the_default_processing_takes_the_kernels_path():
-    assert native_sampling(NATIVE, target_logits(PROMPT)) is not None
-    assert native_sampling(PARAMS, target_logits(PROMPT)) is None  # top-k: torch's
+def test_requests_without_a_penalty_take_the_kernels_path():
+    for params in (NATIVE, PARAMS):
+        assert native_sampling(params, target_logits(PROMPT)) is not None
+    assert native_sampling(PENALTY, target_logits(PROMPT)) is None
 
 
 @needs_kernels

@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from tandem import sampling
 from tandem.config import SamplingParams
-from tandem.model.kernels import SampleStatus, block_kernels, load_variant, supported_variants
+from tandem.model.kernels import RowProcessing, SampleStatus, block_kernels, load_variant, supported_variants
 from tandem.sampling import NonFiniteLogitsError, native_sampling, processed_probs, sample_processed
 from tandem.verify import grading
 
@@ -39,18 +39,19 @@ def torch_probs(x: torch.Tensor, params: SamplingParams, shift: torch.Tensor | N
 
 def test_which_requests_take_the_kernels_path():
     x = logits(1, 64, 0)
-    assert native_sampling(SamplingParams(temperature=1.0), x) is not None
-    assert native_sampling(SamplingParams(temperature=0.7, min_p=0.1, top_k=64), x) is not None  # top-k >= V: off
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5),
-                   SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, repetition_penalty=1.2),
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, min_p=0.1, top_k=5, top_p=0.9)):
+        assert native_sampling(params, x) is not None, params
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, repetition_penalty=1.2),
                    SamplingParams(temperature=1.0, presence_penalty=0.5)):
         assert native_sampling(params, x) is None, params
 
 
 @pytest.mark.parametrize("vocab", [5, 64, 1000, 49152])
-@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.6, 0.0), (1.3, 0.05)])
-def test_the_processed_rows_match_torch(vocab, temperature, min_p):
-    params = SamplingParams(temperature=temperature, min_p=min_p)
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.3, 0, 1.0, 0.05), (1.0, 40, 1.0, 0.0), (0.8, 0, 0.9, 0.0),
+    (1.0, 0, 0.5, 0.0), (0.7, 50, 0.95, 0.02), (1.0, 3, 0.3, 0.0), (1.0, 0, 0.999, 0.0)])
+def test_the_processed_rows_match_torch(vocab, temperature, top_k, top_p, min_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     x = logits(3, vocab, vocab)
     shift = torch.zeros(3, vocab)
     shift[0, ::3] = -INF  # refused tokens (structured output)
@@ -65,7 +66,7 @@ def test_the_processed_rows_match_torch(vocab, temperature, min_p):
 def test_the_rows_are_the_same_on_every_variant_and_thread_count():
     x = logits(4, 3000, 1)
     uniforms = torch.rand(4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    args = (x, torch.full((4,), 1 / 0.8), torch.full((4,), 0.01), uniforms)
+    args = (x, RowProcessing(1 / 0.8, top_k=900, top_p=0.95, min_p=0.01), uniforms)
     p0, t0, _ = load_variant(supported_variants()[0]).sample_rows(*args)
     for variant in supported_variants():
         for threads in (1, 2):
@@ -83,8 +84,8 @@ def test_draws_follow_the_processed_distribution():
     p = processed_probs(x, params, shift=shift)[0]
     n = 100_000
     uniforms = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    _, tokens, status = kernels().sample_rows(x.expand(n, 40), torch.full((n,), 1 / 0.7), torch.full((n,), 0.02),
-                                              uniforms, shift, probs=False)
+    _, tokens, status = kernels().sample_rows(x.expand(n, 40), RowProcessing(1 / 0.7, min_p=0.02), uniforms, shift,
+                                              probs=False)
     assert (status == 0).all()
     counts = torch.bincount(tokens, minlength=40)
     assert counts[p == 0].sum() == 0  # refused and min-p-filtered tokens are never drawn
@@ -142,9 +143,10 @@ def reference_grade(p: torch.Tensor, draft: list[int], q: torch.Tensor | None, u
 
 
 @pytest.mark.parametrize("sampled", [True, False])
-def test_the_chain_rule_matches_the_reference(sampled):
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (8, 0.9)])
+def test_the_chain_rule_matches_the_reference(sampled, top_k, top_p):
     gen = torch.Generator().manual_seed(8)
-    params = SamplingParams(temperature=0.9, min_p=0.01)
+    params = SamplingParams(temperature=0.9, top_k=top_k, top_p=top_p, min_p=0.01)
     for trial in range(300):
         vocab, k = 30 + trial % 17, 1 + trial % 4
         x = logits(k + 1, vocab, 100 + trial, scale=1.5)
@@ -152,7 +154,7 @@ def test_the_chain_rule_matches_the_reference(sampled):
         q = processed_probs(x[:k] + logits(k, vocab, 500 + trial, scale=0.7), params) if sampled else None
         draft = [int(torch.multinomial(q[i] if sampled else p[i], 1, generator=gen)) for i in range(k)]
         u = torch.rand(k + 1, dtype=torch.float64, generator=gen)
-        got = kernels().grade_chain(x, torch.tensor(draft), q, u, 1 / 0.9, 0.01)
+        got = kernels().grade_chain(x, torch.tensor(draft), q, u, RowProcessing(1 / 0.9, top_k, top_p, 0.01))
         assert got[:2] == reference_grade(p, draft, q, u) and got[2] == SampleStatus.SAMPLED, trial
 
 
@@ -169,7 +171,7 @@ def test_the_chain_rule_commits_the_target_distribution():
     uniforms = torch.rand(rounds, k + 1, dtype=torch.float64, generator=gen)
     at = [[] for _ in range(k + 1)]
     for r in range(rounds):
-        accepted, token, _ = kernels().grade_chain(x, drafts[r], q, uniforms[r], 1.0, 0.0)
+        accepted, token, _ = kernels().grade_chain(x, drafts[r], q, uniforms[r], RowProcessing(1.0))
         committed = drafts[r, :accepted].tolist() + [token]
         for j, t in enumerate(committed):
             at[j].append(t)
@@ -183,13 +185,13 @@ def test_the_chain_rule_commits_the_target_distribution():
 def test_bad_drafts_are_refused():
     x = logits(3, 40, 12)
     u = torch.rand(3, dtype=torch.float64)
-    assert kernels().grade_chain(x, torch.tensor([3, 40]), None, u, 1.0, 0.0)[2] == SampleStatus.BAD_TOKEN
+    assert kernels().grade_chain(x, torch.tensor([3, 40]), None, u, RowProcessing(1.0))[2] == SampleStatus.BAD_TOKEN
     q = torch.full((2, 40), 1 / 40)
     q[1, 7] = float("nan")
-    assert kernels().grade_chain(x, torch.tensor([3, 4]), q, u, 1.0, 0.0)[2] == SampleStatus.BAD_DRAFT_PROBS
+    assert kernels().grade_chain(x, torch.tensor([3, 4]), q, u, RowProcessing(1.0))[2] == SampleStatus.BAD_DRAFT_PROBS
     x[2, 0] = INF
-    assert kernels().grade_chain(x, torch.tensor([3, 4]), None, torch.zeros(3, dtype=torch.float64), 1.0,
-                                 0.0)[2] == SampleStatus.NON_FINITE
+    assert kernels().grade_chain(x, torch.tensor([3, 4]), None, torch.zeros(3, dtype=torch.float64),
+                                 RowProcessing(1.0))[2] == SampleStatus.NON_FINITE
 
 
 def test_a_draft_vocabulary_reports_q_over_the_targets():

@@ -4,9 +4,8 @@ The processed vector is exactly what plain sampling draws from; the verifier com
 against the same vectors (docs/algorithms.md section 1). Order: repetition penalty, presence and
 frequency penalties, temperature, top-k, top-p, min-p, then renormalise, all in fp32.
 
-On a CPU with tandem's kernels, a sampled request whose processing is temperature and min-p
-alone (the OpenAI default: no top-k, top-p or penalty) is processed, drawn from and graded by
-the kernels' sampling section (block_matmul.cpp; `native_sampling` says when), in one pass per
+On a CPU with tandem's kernels, a sampled request without a penalty (temperature, top-k,
+top-p, min-p) is processed, drawn from and graded by the kernels' sampling section (block_matmul.cpp; `native_sampling` says when), in one pass per
 row instead of a dozen tensor operations. Plain sampling, the drafters, the verifier and
 `tandem audit` all take that path for such a request, so each of its rows has one p wherever it
 is read.
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 
 from tandem.config import SamplingParams
-from tandem.model.kernels import BlockKernels, SampleStatus, block_kernels
+from tandem.model.kernels import BlockKernels, RowProcessing, SampleStatus, block_kernels
 from tandem.types import TokenLogprob
 
 
@@ -29,13 +28,16 @@ class NonFiniteLogitsError(RuntimeError):
 
 def native_sampling(params: SamplingParams, logits: torch.Tensor) -> BlockKernels | None:
     """The kernels that process, draw from and grade these rows of logits [N, V] for this
-    request, or None where torch does: a sampled request with no penalty, top-k or top-p (its
-    processing is temperature and min-p alone), on a CPU where tandem's kernels run."""
+    request, or None where torch does: a sampled request without a penalty (its processing is
+    temperature, top-k, top-p and min-p), on a CPU where tandem's kernels run."""
     if params.greedy or params.penalized or logits.device.type != "cpu":
         return None
-    if 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0:
-        return None
     return block_kernels()
+
+
+def row_processing(params: SamplingParams) -> RowProcessing:
+    """A request's processing as the sampling kernels read it."""
+    return RowProcessing(1.0 / params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def raise_for_status(status: int) -> None:
@@ -60,8 +62,7 @@ def native_rows(kernels: BlockKernels, logits: torch.Tensor, params: SamplingPar
     NonFiniteLogitsError on NaN or inf logits."""
     rows = logits.shape[0]
     uniforms = None if generator is None else torch.rand(rows, generator=generator, dtype=torch.float64)
-    out, tokens, status = kernels.sample_rows(logits, torch.full((rows,), 1.0 / params.temperature),
-                                              torch.full((rows,), params.min_p), uniforms, shift, probs, into)
+    out, tokens, status = kernels.sample_rows(logits, row_processing(params), uniforms, shift, probs, into)
     for code in status.tolist():
         raise_for_status(code)
     return out, tokens

@@ -25,6 +25,7 @@ from tandem.sampling import (
     processed_probs,
     raise_for_status,
     row_argmax,
+    row_processing,
     sample,
     shifted,
 )
@@ -91,7 +92,7 @@ def grade_round(
 
 def grade_chain_natively(kernels: BlockKernels, logits: torch.Tensor, draft: Draft, params: SamplingParams,
                          generator: torch.Generator, shift: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
-    """The chain rule for a request sampling_native serves, in one kernel call
+    """The chain rule for a request native_sampling serves, in one kernel call
     (BlockKernels.grade_chain): the same k + 1 uniforms from the request's generator as
     verify_chain draws, the same tests and draws, over the kernels' processed rows, computed
     only up to the first rejected draft."""
@@ -101,8 +102,8 @@ def grade_chain_natively(kernels: BlockKernels, logits: torch.Tensor, draft: Dra
         raise ValueError(f"draft probabilities must be [>= {k}, {vocab}], got {list(q.shape)}")
     uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64)
     accepted, token, status = kernels.grade_chain(
-        logits[: k + 1], torch.tensor(draft.token_ids, dtype=torch.int64), q, uniforms, 1.0 / params.temperature,
-        params.min_p, None if shift is None else shift[: k + 1])
+        logits[: k + 1], torch.tensor(draft.token_ids, dtype=torch.int64), q, uniforms, row_processing(params),
+        None if shift is None else shift[: k + 1])
     raise_for_status(status)
     return [*draft.token_ids[:accepted], token], list(range(accepted))
 

@@ -65,6 +65,7 @@ from tandem.model.kernels.records import (
     LayerParts,
     SampleStatus,
     LinearCall,
+    RowProcessing,
     SampleArgs,
     TreeKeys,
     decoder_layers,
@@ -77,7 +78,8 @@ from tandem.paths import cache_root
 # The package's face: the kernels, what they read, and which variant runs here.
 __all__ = [
     "GEGLU", "IDENTITY", "KERNEL_CHOICES", "RMS_NORM", "RMS_NORM_HALVES", "SWIGLU", "VARIANTS", "VARIANT_NAMES",
-    "BlockKernels", "BlockWeights", "DecoderShape", "DraftChain", "DraftLayer", "DraftRows", "LayerParts", "SampleStatus",
+    "BlockKernels", "BlockWeights", "DecoderShape", "DraftChain", "DraftLayer", "DraftRows", "LayerParts", "RowProcessing",
+    "SampleStatus",
     "TreeKeys",
     "block_kernels", "cpu_flags", "cpu_model", "cpu_name", "decoder_layers", "kernel_description", "load_variant",
     "selected_variant", "supported_variants",
@@ -320,17 +322,22 @@ class BlockKernels:
         return [(tokens[r, :n].tolist(), parents[r, :n].tolist(), scores[r, :n].tolist())
                 for r, n in enumerate(count.tolist())]
 
-    def sample_rows(self, logits: torch.Tensor, inv_temperature: torch.Tensor, min_p: torch.Tensor,
+    def sample_rows(self, logits: torch.Tensor, processing: RowProcessing | list[RowProcessing],
                     uniforms: torch.Tensor | None = None, shift: torch.Tensor | None = None, probs: bool = True,
                     into: tuple[torch.Tensor, int] | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """The default processed distribution of each row of logits [R, V] (block_matmul.cpp's
-        sampling section: temperature 1 / inv_temperature[r] and min_p[r], float32 [R] each;
-        shift [R or 1, V] added first) and, given uniforms [R] float64, one draw from each:
-        (p [R, V] or None, tokens [R] int64 or None, status [R] int32: a SampleStatus each).
-        into=(ids [V] int64, width): p is reported over `width` tokens instead, p_t at ids[t]
-        (a draft vocabulary's q over the target's), zero elsewhere."""
+        """The processed distribution of each row of logits [R, V] (block_matmul.cpp's sampling
+        section: one RowProcessing for every row, or one per row; shift [R or 1, V] added first)
+        and, given uniforms [R] float64, one draw from each: (p [R, V] or None, tokens [R] int64
+        or None, status [R] int32: a SampleStatus each). into=(ids [V] int64, width): p is
+        reported over `width` tokens instead, p_t at ids[t] (a draft vocabulary's q over the
+        target's), zero elsewhere."""
         R, V = logits.shape
+        rows = processing if isinstance(processing, list) else [processing] * R
+        inv_t = torch.tensor([r.inv_temperature for r in rows], dtype=torch.float32)
+        top_k = torch.tensor([r.top_k for r in rows], dtype=torch.int64)
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
+        min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float32)
         logits = _rows(logits)
         shift = None if shift is None else _rows(shift.float().expand(R, V))
         ids, width = (None, V) if into is None else into
@@ -338,25 +345,26 @@ class BlockKernels:
         tokens = torch.empty(R, dtype=torch.int64) if uniforms is not None else None
         status = torch.empty(R, dtype=torch.int32)
         args = SampleArgs(ptr(logits), R, V, logits.stride(0), ptr(shift), 0 if shift is None else shift.stride(0),
-                          ptr(inv_temperature), ptr(min_p), ptr(uniforms), ptr(out), ptr(ids), width, ptr(tokens),
-                          ptr(status), torch.get_num_threads())
+                          ptr(inv_t), ptr(min_p), ptr(top_k), ptr(top_p), ptr(uniforms), ptr(out), ptr(ids), width,
+                          ptr(tokens), ptr(status), torch.get_num_threads())
         self._sample_rows(ctypes.byref(args))
         return out, tokens, status
 
     def grade_chain(self, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, uniforms: torch.Tensor,
-                    inv_temperature: float, min_p: float, shift: torch.Tensor | None = None) -> tuple[int, int, int]:
+                    processing: RowProcessing, shift: torch.Tensor | None = None) -> tuple[int, int, int]:
         """One request's chain draft (draft [k] int64; q [>= k, V] float32 rows it was drawn
         from, None for a deterministic draft) graded against the target's rows of logits
-        [k + 1, V] (shift [k + 1, V] added first) by the chain rule with uniforms [k + 1]
-        float64: (accepted drafts, the token after them, a SampleStatus)."""
+        [k + 1, V] (processed as `processing` says, shift [k + 1, V] added first) by the chain
+        rule with uniforms [k + 1] float64: (accepted drafts, the token after them, a SampleStatus)."""
         k, V = len(draft), logits.shape[1]
         logits = _rows(logits)
         shift = None if shift is None else _rows(shift.float())
         q = None if q is None else _rows(q)
         result = torch.zeros(3, dtype=torch.int64)  # accepted, token, status
         args = GradeArgs(ptr(logits), k, V, logits.stride(0), ptr(shift), 0 if shift is None else shift.stride(0),
-                         inv_temperature, min_p, ptr(draft), ptr(q), 0 if q is None else q.stride(0), ptr(uniforms),
-                         ptr(result), result.data_ptr() + 8, result.data_ptr() + 16)
+                         processing.inv_temperature, processing.min_p, processing.top_k, processing.top_p, ptr(draft),
+                         ptr(q), 0 if q is None else q.stride(0), ptr(uniforms), ptr(result), result.data_ptr() + 8,
+                         result.data_ptr() + 16)
         self._grade_chain(ctypes.byref(args))
         accepted, token, status = result.tolist()
         return accepted, token, status

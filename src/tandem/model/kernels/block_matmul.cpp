@@ -51,6 +51,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #ifndef TANDEM_LANES
@@ -1592,11 +1593,11 @@ int64_t int8_peak(int64_t iters, int threads) {
 
 // ---- sampling: the default processed distribution, inverse-CDF draws, the chain rule --------
 //
-// For a request whose processing is temperature T and min-p only (no top-k, top-p or penalty;
-// sampling.py sends the others to torch), a row of logits x and its shift s (0, a logit bias, or
-// -inf for a refused token) give, in fp32:
+// For a request without a penalty (sampling.py sends those to torch), a row of logits x and its
+// shift s (0, a logit bias, or -inf for a refused token) give, in fp32:
 //   w_t = exp((x_t + s_t - M) / T), M the row's largest x + s, so the top token's w is 1; w_t = 0
-//         where x_t + s_t = -inf or w_t < min_p (p_t < min_p * max p);
+//         where x_t + s_t = -inf, below the k-th largest x + s (top-k), outside the top-p set
+//         (top_p_cut), or where w_t < min_p (p_t < min_p * max p), in that order;
 //   Z   = the sum of w, over blocks of kDrawBlock tokens: fp32 within a block, fp64 across them;
 //   p_t = w_t * float(1 / Z).
 // Every row is read by one thread in a fixed order, so p and every draw from it depend on
@@ -1617,6 +1618,9 @@ struct DrawWeights {        // one row's unnormalised weights and their block su
   std::vector<float> w;
   std::vector<double> block;
   double total = 0;
+  std::vector<float> heap;        // scratch: top-k
+  std::vector<double> mass;       // scratch: top-p
+  std::vector<int64_t> members;
 
   void size_for(int64_t V) {
     w.resize(V);
@@ -1639,9 +1643,79 @@ double sum_blocks(const float* w, int64_t V, double* block) {
   return total;
 }
 
+// One request's processing: temperature (as 1 / T), top-k (0: off), top-p (1: off), min-p (0: off).
+struct Processing {
+  float inv_t;
+  int64_t top_k;
+  float top_p;
+  float min_p;
+};
+
+// The k-th largest of x + shift over [0, V) (a min-heap of the k largest, -inf for refused tokens).
+float kth_largest(const float* x, const float* shift, int64_t V, int64_t k, std::vector<float>& heap) {
+  heap.clear();
+  const auto later = std::greater<float>();
+  for (int64_t t = 0; t < V; ++t) {
+    const float v = shift == nullptr ? x[t] : x[t] + shift[t];
+    if (static_cast<int64_t>(heap.size()) < k) {
+      heap.push_back(v);
+      std::push_heap(heap.begin(), heap.end(), later);
+    } else if (v > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), later);
+      heap.back() = v;
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  }
+  return heap.front();
+}
+
+// Top-p: zero the weights outside the smallest set of the largest ones whose mass reaches top_p
+// of the total (a token stays while the mass of those before it, largest first and ties in index
+// order, is below it; the largest always stays). Positive floats order as their bits, so the
+// weights are bucketed by their top 12 bits (a bucket spans a factor of 2^(1/8)); buckets above
+// the cut stay whole, those below go, and only the bucket the cut falls in is sorted.
+void top_p_cut(float* w, int64_t V, float top_p, std::vector<double>& mass, std::vector<int64_t>& members) {
+  constexpr int kBuckets = 1024;
+  auto bucket = [](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    return static_cast<int>(bits >> 20);
+  };
+  mass.assign(kBuckets, 0.0);
+  double total = 0;
+  for (int64_t t = 0; t < V; ++t) {
+    if (w[t] > 0) {
+      mass[bucket(w[t])] += w[t];
+      total += w[t];
+    }
+  }
+  const double reach = static_cast<double>(top_p) * total;
+  double before = 0;
+  int lowest = 0;  // the lowest bucket that keeps any token
+  for (int b = kBuckets - 1; b >= 0; --b) {
+    if (mass[b] == 0) continue;
+    if (before + mass[b] < reach) {
+      before += mass[b];
+      continue;
+    }
+    members.clear();
+    for (int64_t t = 0; t < V; ++t)
+      if (w[t] > 0 && bucket(w[t]) == b) members.push_back(t);
+    std::sort(members.begin(), members.end(), [&](int64_t i, int64_t j) { return w[i] > w[j] || (w[i] == w[j] && i < j); });
+    for (int64_t t : members) {
+      if (before > 0 && before >= reach) w[t] = 0.f;
+      before += w[t];
+    }
+    lowest = b;
+    break;
+  }
+  for (int64_t t = 0; t < V; ++t)
+    if (w[t] > 0 && bucket(w[t]) < lowest) w[t] = 0.f;
+}
+
 // x (+ shift) -> the weights of the processed distribution (above), into d. Returns kNonFinite
 // when x holds NaN or +-inf and kNoMass when the shift refuses every token.
-int32_t row_weights(const float* x, const float* shift, int64_t V, float inv_t, float min_p, DrawWeights& d) {
+int32_t row_weights(const float* x, const float* shift, int64_t V, const Processing& how, DrawWeights& d) {
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
   __m256 best = neg_inf, bad = _mm256_setzero_ps();  // bad: x * 0 is NaN where x is NaN or inf
   int64_t t = 0;
@@ -1657,17 +1731,30 @@ int32_t row_weights(const float* x, const float* shift, int64_t V, float inv_t, 
   if (std::isnan(hsum8(bad))) return kNonFinite;
   const float top = hmax8(best);
   if (top == -INFINITY) return kNoMass;
-  const __m256 m = _mm256_set1_ps(top), scale = _mm256_set1_ps(inv_t), floor = _mm256_set1_ps(min_p);
+  // top-k keeps the logits at or above the k-th largest (ties included), as torch's
+  const float kth = how.top_k > 0 && how.top_k < V ? kth_largest(x, shift, V, how.top_k, d.heap) : -INFINITY;
+  const __m256 m = _mm256_set1_ps(top), scale = _mm256_set1_ps(how.inv_t), floor_k = _mm256_set1_ps(kth);
   auto weight = [&](int64_t at, __m256i mask) {
     const __m256 v = logit(at, mask);
     const __m256 w = exp8(_mm256_mul_ps(_mm256_sub_ps(v, m), scale));
-    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, neg_inf, _CMP_NEQ_OQ), _mm256_cmp_ps(w, floor, _CMP_GE_OQ));
+    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, neg_inf, _CMP_NEQ_OQ), _mm256_cmp_ps(v, floor_k, _CMP_GE_OQ));
     return _mm256_and_ps(w, keep);
   };
   d.size_for(V);
-  for (t = 0; t + 8 <= V; t += 8) _mm256_storeu_ps(d.w.data() + t, weight(t, all));
-  if (t < V) _mm256_maskstore_ps(d.w.data() + t, tail_mask(V - t), weight(t, tail_mask(V - t)));
-  d.total = sum_blocks(d.w.data(), V, d.block.data());
+  float* w = d.w.data();
+  for (t = 0; t + 8 <= V; t += 8) _mm256_storeu_ps(w + t, weight(t, all));
+  if (t < V) _mm256_maskstore_ps(w + t, tail_mask(V - t), weight(t, tail_mask(V - t)));
+  if (how.top_p < 1.f) top_p_cut(w, V, how.top_p, d.mass, d.members);
+  if (how.min_p > 0.f) {  // the top token's weight is 1: min-p drops w < min_p
+    const __m256 floor_p = _mm256_set1_ps(how.min_p);
+    for (t = 0; t + 8 <= V; t += 8) {
+      const __m256 v = _mm256_loadu_ps(w + t);
+      _mm256_storeu_ps(w + t, _mm256_and_ps(v, _mm256_cmp_ps(v, floor_p, _CMP_GE_OQ)));
+    }
+    for (; t < V; ++t)
+      if (w[t] < how.min_p) w[t] = 0.f;
+  }
+  d.total = sum_blocks(w, V, d.block.data());
   return kSampled;
 }
 
@@ -1704,6 +1791,8 @@ struct SampleArgs {
   int64_t shift_ld;
   const float* inv_temperature;  // [rows]
   const float* min_p;            // [rows]
+  const int64_t* top_k;          // [rows]
+  const float* top_p;            // [rows]
   const double* uniforms;        // [rows], or null: no draw
   float* probs;                  // [rows, vocab] p out, or null; with out_ids [rows, out_width],
   const int64_t* out_ids;        // p_t written at out_ids[t] of its row (the rest left as it is)
@@ -1721,7 +1810,8 @@ void sample_rows(const SampleArgs& a) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < a.rows; ++r) {
       const float* shift = a.shift == nullptr ? nullptr : a.shift + r * a.shift_ld;
-      a.status[r] = row_weights(a.logits + r * a.ld, shift, a.vocab, a.inv_temperature[r], a.min_p[r], d);
+      const Processing how{a.inv_temperature[r], a.top_k[r], a.top_p[r], a.min_p[r]};
+      a.status[r] = row_weights(a.logits + r * a.ld, shift, a.vocab, how, d);
       if (a.status[r] != kSampled) continue;
       const float inv_total = static_cast<float>(1.0 / d.total);
       if (a.probs != nullptr && a.out_ids != nullptr) {
@@ -1742,6 +1832,8 @@ struct GradeArgs {
   const float* shift;   // the same layout (shift_ld), or null
   int64_t shift_ld;
   float inv_temperature, min_p;
+  int64_t top_k;
+  float top_p;
   const int64_t* draft;  // [k]
   const float* q;        // [k] rows of q at q + i * q_ld, or null: a deterministic draft
   int64_t q_ld;
@@ -1775,9 +1867,10 @@ void grade_chain(const GradeArgs& a) {
     }
   }
   DrawWeights d, rest;
+  const Processing how{a.inv_temperature, a.top_k, a.top_p, a.min_p};
   for (int64_t i = 0; i <= a.k; ++i) {
     const float* shift = a.shift == nullptr ? nullptr : a.shift + i * a.shift_ld;
-    *a.status = row_weights(a.logits + i * a.ld, shift, V, a.inv_temperature, a.min_p, d);
+    *a.status = row_weights(a.logits + i * a.ld, shift, V, how, d);
     if (*a.status != kSampled) return;
     const float inv_total = static_cast<float>(1.0 / d.total);
     if (i == a.k) {  // every draft passed: the bonus token from p_{k+1}

@@ -117,11 +117,23 @@ class SampleStatus(enum.IntEnum):
     BAD_DRAFT_PROBS = 4  # a q row holds NaN or inf
 
 
+@dataclass(frozen=True)
+class RowProcessing:
+    """One request's processing as the sampling kernels read it (block_matmul.cpp's Processing):
+    temperature 1 / inv_temperature, top-k (0: off), top-p (1: off), min-p (0: off)."""
+
+    inv_temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
 class SampleArgs(ctypes.Structure):
     _fields_ = [
         ("logits", ctypes.c_void_p), ("rows", ctypes.c_int64), ("vocab", ctypes.c_int64), ("ld", ctypes.c_int64),
         ("shift", ctypes.c_void_p), ("shift_ld", ctypes.c_int64), ("inv_temperature", ctypes.c_void_p),
-        ("min_p", ctypes.c_void_p), ("uniforms", ctypes.c_void_p), ("probs", ctypes.c_void_p),
+        ("min_p", ctypes.c_void_p), ("top_k", ctypes.c_void_p), ("top_p", ctypes.c_void_p),
+        ("uniforms", ctypes.c_void_p), ("probs", ctypes.c_void_p),
         ("out_ids", ctypes.c_void_p), ("out_width", ctypes.c_int64), ("tokens", ctypes.c_void_p),
         ("status", ctypes.c_void_p), ("threads", ctypes.c_int),
     ]
@@ -131,7 +143,8 @@ class GradeArgs(ctypes.Structure):
     _fields_ = [
         ("logits", ctypes.c_void_p), ("k", ctypes.c_int64), ("vocab", ctypes.c_int64), ("ld", ctypes.c_int64),
         ("shift", ctypes.c_void_p), ("shift_ld", ctypes.c_int64), ("inv_temperature", ctypes.c_float),
-        ("min_p", ctypes.c_float), ("draft", ctypes.c_void_p), ("q", ctypes.c_void_p), ("q_ld", ctypes.c_int64),
+        ("min_p", ctypes.c_float), ("top_k", ctypes.c_int64), ("top_p", ctypes.c_float), ("draft", ctypes.c_void_p),
+        ("q", ctypes.c_void_p), ("q_ld", ctypes.c_int64),
         ("uniforms", ctypes.c_void_p), ("accepted", ctypes.c_void_p), ("token", ctypes.c_void_p),
         ("status", ctypes.c_void_p),
     ]
