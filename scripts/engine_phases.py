@@ -1,0 +1,81 @@
+"""Where a round's time goes in the engine: drafting, the target's forward, grading, committing.
+
+Decodes 8 Spec-Bench prompts (every tenth of the first 80) one at a time with the default model
+and the given sampling, after one warm-up, and prints tokens per second, tau, and each phase of
+`Engine` (_propose, _verify_forward, _grade, _commit_round) in ms per round. METHOD is `off`
+(plain decoding) or a drafter; heads run without the suffix lookup in front.
+
+    .venv/bin/python scripts/engine_phases.py off --temperature 1
+    .venv/bin/python scripts/engine_phases.py eagle3 --temperature 0.8 --top-p 0.95
+
+To compare two commits, run it under each one's sources (PYTHONPATH=<worktree>/src) in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from tandem.config import SamplingParams
+from tandem.engine.engine import Engine
+from tandem.llm import LLM
+from tandem.model.kernels import cpu_name, kernel_description
+
+QUESTIONS = Path(__file__).resolve().parents[1] / "src" / "tandem" / "data" / "spec_bench_question.jsonl"
+PHASES = ("_propose", "_verify_forward", "_grade", "_commit_round")
+
+
+def timed(seconds: defaultdict, calls: Counter, name: str) -> None:
+    """Wrap Engine.<name> so every call adds its time to seconds[name]."""
+    inner = getattr(Engine, name)
+
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - start
+            calls[name] += 1
+
+    setattr(Engine, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("method", help="off, or a drafter (suffix, eagle3, dspark, ...)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    seconds, calls = defaultdict(float), Counter()
+    for name in (*PHASES, "_decode_round"):
+        timed(seconds, calls, name)
+    spec = {} if args.method == "off" else {"speculative_algorithm": args.method, "speculative_lookup": False}
+    llm = LLM(**spec)
+    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()][:80:10]
+
+    def params(seed: int, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_tokens=max_tokens, seed=seed)
+
+    llm.generate(questions[0]["turns"][0], params(0, 16), chat=True)
+    seconds.clear()
+    calls.clear()
+    start, tokens = time.perf_counter(), 0
+    for i, q in enumerate(questions):
+        tokens += len(llm.generate(q["turns"][0], params(i, args.max_tokens), chat=True)[0].token_ids)
+    elapsed = time.perf_counter() - start
+    rounds = calls["_decode_round"]
+    print(f"{cpu_name()}, {kernel_description()}: {args.method} at temperature {args.temperature}, top-p {args.top_p}, "
+          f"top-k {args.top_k}")
+    print(f"{tokens / elapsed:.1f} tok/s, {rounds} rounds, tau {tokens / rounds:.2f}")
+    for name in PHASES:
+        print(f"  {name:16s} {seconds[name] / rounds * 1e3:.3f} ms a round")
+
+
+if __name__ == "__main__":
+    main()
