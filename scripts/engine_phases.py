@@ -8,6 +8,9 @@ and the given sampling, after one warm-up, and prints tokens per second, tau, an
     .venv/bin/python scripts/engine_phases.py off --temperature 1
     .venv/bin/python scripts/engine_phases.py eagle3 --temperature 0.8 --top-p 0.95
 
+With --batch N: N prompts (every tenth of the first 10 N) decoded together, as a server with N
+users would batch them; a round is then one step of the whole batch.
+
 To compare two commits, run it under each one's sources (PYTHONPATH=<worktree>/src) in turn.
 """
 
@@ -25,7 +28,7 @@ from tandem.llm import LLM
 from tandem.model.kernels import cpu_name, kernel_description
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "src" / "tandem" / "data" / "spec_bench_question.jsonl"
-PHASES = ("_propose", "_verify_forward", "_grade", "_commit_round")
+PHASES = ("_propose", "_verify_forward", "_plain_draws", "_grade", "_commit_round")
 
 
 def timed(seconds: defaultdict, calls: Counter, name: str) -> None:
@@ -50,13 +53,15 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (default 1: one at a time)")
     args = parser.parse_args()
     seconds, calls = defaultdict(float), Counter()
     for name in (*PHASES, "_decode_round"):
         timed(seconds, calls, name)
     spec = {} if args.method == "off" else {"speculative_algorithm": args.method, "speculative_lookup": False}
-    llm = LLM(**spec)
-    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()][:80:10]
+    llm = LLM(max_num_seqs=max(8, args.batch), **spec)
+    count = max(8, args.batch)
+    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()][: 10 * count : 10]
 
     def params(seed: int, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -66,13 +71,16 @@ def main() -> None:
     seconds.clear()
     calls.clear()
     start, tokens = time.perf_counter(), 0
-    for i, q in enumerate(questions):
-        tokens += len(llm.generate(q["turns"][0], params(i, args.max_tokens), chat=True)[0].token_ids)
+    for first in range(0, len(questions), args.batch):
+        group = questions[first : first + args.batch]
+        outs = llm.generate([q["turns"][0] for q in group],
+                            [params(first + i, args.max_tokens) for i in range(len(group))], chat=True)
+        tokens += sum(len(out.token_ids) for out in outs)
     elapsed = time.perf_counter() - start
     rounds = calls["_decode_round"]
     print(f"{cpu_name()}, {kernel_description()}: {args.method} at temperature {args.temperature}, top-p {args.top_p}, "
           f"top-k {args.top_k}")
-    print(f"{tokens / elapsed:.1f} tok/s, {rounds} rounds, tau {tokens / rounds:.2f}")
+    print(f"{tokens / elapsed:.1f} tok/s, {rounds} rounds (batch {args.batch}), tokens per round {tokens / rounds:.2f}")
     for name in PHASES:
         print(f"  {name:16s} {seconds[name] / rounds * 1e3:.3f} ms a round")
 

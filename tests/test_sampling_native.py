@@ -207,3 +207,30 @@ def test_a_draft_vocabulary_reports_q_over_the_targets():
         mp.setattr(sampling, "native_sampling", lambda *_: None)
         q_torch, _ = sample_processed(x, params, torch.Generator().manual_seed(15), into=(ids, 1000))
     assert torch.allclose(q, q_torch, atol=2e-6) and torch.equal(q == 0, q_torch == 0)
+
+
+def test_a_batch_draws_what_each_request_draws_alone(monkeypatch):
+    """The engine draws the tokens of a round's sampled requests without a draft in one kernel
+    call (grading.sample_plain_rows): seeded requests decoded together get the tokens they get
+    one at a time, where each round's draw is sample_plain's."""
+    from conftest import tiny_loaded
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import Engine
+
+    _, loaded = tiny_loaded("llama")
+    prompts = [[5 + i, 17, 33, 8 + i] for i in range(10)]
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=40 * (i % 2), max_tokens=6, seed=i) for i in range(10)]
+    batched = []
+    real = grading.sample_plain_rows
+    monkeypatch.setattr(grading, "sample_plain_rows", lambda *a: batched.append(len(a[2])) or real(*a))
+
+    def run(indices):
+        engine = Engine(loaded, EngineConfig(max_model_len=64, max_num_seqs=10))
+        reqs = [engine.add_request(prompts[i], params[i]) for i in indices]
+        while engine.has_work():
+            engine.step()
+        return [r.output().token_ids for r in reqs]
+
+    together = run(range(10))
+    assert batched and max(batched) == 10
+    assert together == [run([i])[0] for i in range(10)]

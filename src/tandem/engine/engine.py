@@ -29,7 +29,7 @@ from tandem.grammar import GrammarCompiler
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import LoadedModel
 from tandem.model.runner import ForwardOutput, ModelRunner, SeqInput
-from tandem.sampling import NonFiniteLogitsError, make_generator, token_logprobs
+from tandem.sampling import NonFiniteLogitsError, make_generator, native_sampling, token_logprobs
 from tandem.scheduler.cost_model import CostCurve
 from tandem.scheduler.factory import create_policy
 from tandem.scheduler.policy import DraftSlot, SpeculationPolicy
@@ -226,11 +226,17 @@ class Engine:
         drafts, shifts = self._shift_rows(batch, drafts)
         verify_start = time.perf_counter()
         out, tokens = self._verify_forward(batch, drafts, chunks)
+        plain = self._plain_draws(batch, drafts, shifts, out)
         updates, outcomes = [], []
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             logits = out.rows(b)
             try:
-                committed, path = self._grade(logits, req, draft, shifts[b], out.greedy_rows(b))
+                if b in plain:
+                    if isinstance(plain[b], NonFiniteLogitsError):
+                        raise plain[b]
+                    committed, path = [plain[b]], []
+                else:
+                    committed, path = self._grade(logits, req, draft, shifts[b], out.greedy_rows(b))
             except NonFiniteLogitsError as err:
                 updates.append(self._fail(req, err))
                 continue
@@ -242,6 +248,22 @@ class Engine:
         seconds = time.perf_counter() - verify_start
         self._learn(outcomes, None if chunks else (tokens, seconds, [1 + len(d.token_ids) for d in drafts], contexts))
         return updates + self._prefilled(out, chunks, first=len(batch))
+
+    def _plain_draws(self, batch: list[Request], drafts: list[Draft], shifts: list[torch.Tensor | None],
+                     out: ForwardOutput) -> dict[int, "int | NonFiniteLogitsError"]:
+        """The tokens of this round's sampled requests without a draft, a shift or a penalty,
+        drawn in one kernel call (grading.sample_plain_rows: what grade_round's empty-draft case
+        gives each, without a call per request), by batch index; {} where there are fewer than
+        two or the kernels do not serve them."""
+        picked = [b for b, (req, draft) in enumerate(zip(batch, drafts))
+                  if not draft.token_ids and shifts[b] is None
+                  and native_sampling(req.params, out.logits) is not None]
+        if len(picked) < 2:
+            return {}
+        kernels = native_sampling(batch[picked[0]].params, out.logits)
+        tokens = grading.sample_plain_rows(kernels, out.logits, [out.offsets[b + 1] - 1 for b in picked],
+                                           [batch[b].params for b in picked], [batch[b].generator for b in picked])
+        return dict(zip(picked, tokens))
 
     def _shift_rows(self, batch: list[Request], drafts: list[Draft]) -> tuple[list[Draft], list[torch.Tensor | None]]:
         """What each request adds to its verified rows' logits first (Request.logit_shift; None

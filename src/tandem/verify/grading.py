@@ -181,6 +181,25 @@ def sample_plain(
     return int(sample(probs, generator)[0])
 
 
+def sample_plain_rows(kernels: BlockKernels, logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                      generators: list[torch.Generator]) -> list[int | NonFiniteLogitsError]:
+    """Plain decoding's token for several requests at once, request i's from row rows[i] of
+    logits [N, V], in one kernel call: for requests native_sampling serves, without a shift,
+    what sample_plain gives each (the same uniform from its generator, the same processed
+    distribution). A row with NaN or inf logits gives its error instead of a token."""
+    uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    _, tokens, status = kernels.sample_rows(logits, [row_processing(p) for p in params], uniforms, probs=False,
+                                            row_of=torch.tensor(rows, dtype=torch.int64))
+    drawn: list[int | NonFiniteLogitsError] = []
+    for token, code in zip(tokens.tolist(), status.tolist()):
+        try:
+            raise_for_status(code)
+            drawn.append(token)
+        except NonFiniteLogitsError as err:
+            drawn.append(err)
+    return drawn
+
+
 def target_probs(logits: torch.Tensor, draft: Draft, params: SamplingParams, context: Sequence[int],
                  num_prompt_tokens: int | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
     """[n + 1, V] logits -> processed p, each row exactly as plain sampling would process it at

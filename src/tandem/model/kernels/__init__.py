@@ -324,15 +324,15 @@ class BlockKernels:
 
     def sample_rows(self, logits: torch.Tensor, processing: RowProcessing | list[RowProcessing],
                     uniforms: torch.Tensor | None = None, shift: torch.Tensor | None = None, probs: bool = True,
-                    into: tuple[torch.Tensor, int] | None = None
+                    into: tuple[torch.Tensor, int] | None = None, row_of: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """The processed distribution of each row of logits [R, V] (block_matmul.cpp's sampling
         section: one RowProcessing for every row, or one per row; shift [R or 1, V] added first)
         and, given uniforms [R] float64, one draw from each: (p [R, V] or None, tokens [R] int64
         or None, status [R] int32: a SampleStatus each). into=(ids [V] int64, width): p is
         reported over `width` tokens instead, p_t at ids[t] (a draft vocabulary's q over the
-        target's), zero elsewhere."""
-        R, V = logits.shape
+        target's), zero elsewhere. row_of [R] int64: row r is logits[row_of[r]] instead."""
+        R, V = (logits.shape[0], logits.shape[1]) if row_of is None else (len(row_of), logits.shape[1])
         rows = processing if isinstance(processing, list) else [processing] * R
         inv_t = torch.tensor([r.inv_temperature for r in rows], dtype=torch.float32)
         top_k = torch.tensor([r.top_k for r in rows], dtype=torch.int64)
@@ -344,7 +344,8 @@ class BlockKernels:
         out = (torch.zeros if into is not None else torch.empty)(R, width, dtype=torch.float32) if probs else None
         tokens = torch.empty(R, dtype=torch.int64) if uniforms is not None else None
         status = torch.empty(R, dtype=torch.int32)
-        args = SampleArgs(ptr(logits), R, V, logits.stride(0), ptr(shift), 0 if shift is None else shift.stride(0),
+        args = SampleArgs(ptr(logits), ptr(row_of), R, V, logits.stride(0), ptr(shift),
+                          0 if shift is None else shift.stride(0),
                           ptr(inv_t), ptr(min_p), ptr(top_k), ptr(top_p), ptr(uniforms), ptr(out), ptr(ids), width,
                           ptr(tokens), ptr(status), torch.get_num_threads())
         self._sample_rows(ctypes.byref(args))

@@ -1785,7 +1785,8 @@ int64_t draw(const float* w, const double* block, int64_t V, double total, doubl
 }
 
 struct SampleArgs {
-  const float* logits;  // row r at logits + r * ld, `vocab` wide
+  const float* logits;  // row r at logits + row_of[r] * ld (row_of null: r), `vocab` wide
+  const int64_t* row_of;
   int64_t rows, vocab, ld;
   const float* shift;   // the same layout (shift_ld), or null
   int64_t shift_ld;
@@ -1811,7 +1812,8 @@ void sample_rows(const SampleArgs& a) {
     for (int64_t r = 0; r < a.rows; ++r) {
       const float* shift = a.shift == nullptr ? nullptr : a.shift + r * a.shift_ld;
       const Processing how{a.inv_temperature[r], a.top_k[r], a.top_p[r], a.min_p[r]};
-      a.status[r] = row_weights(a.logits + r * a.ld, shift, a.vocab, how, d);
+      const int64_t row = a.row_of == nullptr ? r : a.row_of[r];
+      a.status[r] = row_weights(a.logits + row * a.ld, shift, a.vocab, how, d);
       if (a.status[r] != kSampled) continue;
       const float inv_total = static_cast<float>(1.0 / d.total);
       if (a.probs != nullptr && a.out_ids != nullptr) {
