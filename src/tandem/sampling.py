@@ -5,10 +5,10 @@ against the same vectors (docs/algorithms.md section 1). Order: repetition penal
 frequency penalties, temperature, top-k, top-p, min-p, then renormalise, all in fp32.
 
 On a CPU with tandem's kernels, a sampled request without a penalty (temperature, top-k,
-top-p, min-p) is processed, drawn from and graded by the kernels' sampling section (block_matmul.cpp; `native_sampling` says when), in one pass per
-row instead of a dozen tensor operations. Plain sampling, the drafters, the verifier and
-`tandem audit` all take that path for such a request, so each of its rows has one p wherever it
-is read.
+top-p, min-p) is processed, drawn from and graded by the kernels' sampling section
+(block_matmul.cpp; `native_sampling` says when), in one pass per row instead of a dozen tensor
+operations. Plain sampling, the drafters, the verifier and `tandem audit` all take that path for
+such a request, so each of its rows has one p wherever it is read.
 """
 
 from __future__ import annotations

@@ -109,7 +109,6 @@ class HeadDrafter(Drafter):
         return tokens, qs
 
 
-
 def make_draft(tokens: list[int], qs: list[torch.Tensor | None]):
     """A Draft from a chain of tokens and their q rows (all None for deterministic drafts)."""
     if not tokens or qs[0] is None:

@@ -1701,7 +1701,8 @@ void top_p_cut(float* w, int64_t V, float top_p, std::vector<double>& mass, std:
     members.clear();
     for (int64_t t = 0; t < V; ++t)
       if (w[t] > 0 && bucket(w[t]) == b) members.push_back(t);
-    std::sort(members.begin(), members.end(), [&](int64_t i, int64_t j) { return w[i] > w[j] || (w[i] == w[j] && i < j); });
+    auto larger = [&](int64_t i, int64_t j) { return w[i] > w[j] || (w[i] == w[j] && i < j); };
+    std::sort(members.begin(), members.end(), larger);
     for (int64_t t : members) {
       if (before > 0 && before >= reach) w[t] = 0.f;
       before += w[t];

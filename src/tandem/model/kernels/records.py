@@ -132,7 +132,8 @@ class SampleArgs(ctypes.Structure):
     _fields_ = [
         ("logits", ctypes.c_void_p), ("row_of", ctypes.c_void_p), ("rows", ctypes.c_int64), ("vocab", ctypes.c_int64),
         ("ld", ctypes.c_int64), ("shift", ctypes.c_void_p), ("shift_ld", ctypes.c_int64),
-        ("inv_temperature", ctypes.c_void_p), ("min_p", ctypes.c_void_p), ("top_k", ctypes.c_void_p), ("top_p", ctypes.c_void_p),
+        ("inv_temperature", ctypes.c_void_p), ("min_p", ctypes.c_void_p), ("top_k", ctypes.c_void_p),
+        ("top_p", ctypes.c_void_p),
         ("uniforms", ctypes.c_void_p), ("probs", ctypes.c_void_p),
         ("out_ids", ctypes.c_void_p), ("out_width", ctypes.c_int64), ("tokens", ctypes.c_void_p),
         ("status", ctypes.c_void_p), ("threads", ctypes.c_int),
