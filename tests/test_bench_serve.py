@@ -110,6 +110,29 @@ def test_alternating_slices_give_every_mode_every_prompt(servers):
     assert report["identity"]["fixed"] == {"compared": 6, "mismatches": 0}
 
 
+def test_a_sampled_sweep_draws_for_the_same_seeds_in_every_mode(servers):
+    """--temperature > 0: each request carries the temperature, top-p and its prompt index as its
+    seed, so a mode repeats its own answers; modes differ by design, so no identity is compared."""
+    from tandem.bench.serve import run_sweep
+
+    prompts = ["count: 1 2 3 1 2 3", "say hi", "abcabcabc", "one two one two"]
+    sampling = {"temperature": 0.8, "top_p": 0.9}
+    runs = [run_sweep({"off": servers["off"]}, "tiny", prompts, [2], requests_per_user=2, max_tokens=12,
+                      sampling=sampling) for _ in range(2)]
+    assert runs[0]["sampling"] == sampling and runs[0]["identity"] == {}
+    assert runs[0]["levels"]["2"]["off"]["errors"] == 0
+    texts = [[r.text for r in run_level_results(servers["off"], prompts, sampling)] for _ in range(2)]
+    assert texts[0] == texts[1]  # the same seeds draw the same answers
+
+
+def run_level_results(url, prompts, sampling):
+    import asyncio
+
+    from tandem.bench.serve import run_level
+
+    return asyncio.run(run_level(url, "tiny", prompts, 2, len(prompts), 12, sampling))[1]
+
+
 def test_a_mode_names_its_policy_and_may_name_its_drafter():
     from tandem.bench.serve import mode_flags
 

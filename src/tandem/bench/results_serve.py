@@ -33,6 +33,11 @@ def _serve_words(page: Page, rel: str, data: dict, modes: list[str], plot_rel: s
         words += ["--categories", *data["categories"]]
     if (data.get("alternations") or 1) > 1:
         words += ["--alternations", str(data["alternations"])]
+    sampling = data.get("sampling") or {}
+    if sampling.get("temperature"):
+        words += ["--temperature", str(sampling["temperature"])]
+        if sampling.get("top_p", 1.0) != 1.0:
+            words += ["--top-p", str(sampling["top_p"])]
     if data.get("note"):
         words += ["--note", data["note"]]
     return words + ["--out", page.shown(rel), "--plot", page.png_arg(plot_rel)]

@@ -110,9 +110,14 @@ class LevelResult:
 # ---- the client ------------------------------------------------------------------------------
 
 
-async def _one_request(http, url: str, model: str, prompt: str, index: int, max_tokens: int) -> RequestResult:
+async def _one_request(http, url: str, model: str, prompt: str, index: int, max_tokens: int,
+                       sampling: dict | None = None) -> RequestResult:
+    """One streamed chat request; greedy, or with `sampling`'s fields (temperature, top_p) and a
+    seed per prompt, so every mode draws for the same seeds."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream_options": {"include_usage": True}}
+    if sampling:
+        body.update(sampling, seed=index)
     t0 = time.perf_counter()
     ttft, last, text, usage, spec = None, None, "", {}, {}
     try:
@@ -136,8 +141,9 @@ async def _one_request(http, url: str, model: str, prompt: str, index: int, max_
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, num_requests: int,
-                    max_tokens: int) -> tuple[float, list[RequestResult]]:
-    """`concurrency` users send `num_requests` requests in total (prompt i = prompts[i % len])."""
+                    max_tokens: int, sampling: dict | None = None) -> tuple[float, list[RequestResult]]:
+    """`concurrency` users send `num_requests` requests in total (prompt i = prompts[i % len];
+    sampling: as _one_request's)."""
     import httpx  # lazy: ~0.2 s to import; only the sweep's client needs it
 
     todo = list(range(num_requests))
@@ -146,7 +152,7 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
     async def user(http):
         while todo:
             i = todo.pop(0)
-            results.append(await _one_request(http, url, model, prompts[i % len(prompts)], i, max_tokens))
+            results.append(await _one_request(http, url, model, prompts[i % len(prompts)], i, max_tokens, sampling))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as http:
@@ -183,7 +189,8 @@ def slice_count(requests: int, concurrency: int, alternations: int) -> int:
 
 
 def run_alternating(urls: dict[str, str], model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                    alternations: int, progress=None) -> dict[str, tuple[float, list[RequestResult]]]:
+                    alternations: int, progress=None, sampling: dict | None = None
+                    ) -> dict[str, tuple[float, list[RequestResult]]]:
     """One level's requests in `alternations` consecutive slices (each at least `concurrency`
     requests), every mode running each slice in turn, the first mode rotating from slice to
     slice: on a shared machine whose speed drifts over seconds, every mode then meets the same
@@ -198,7 +205,7 @@ def run_alternating(urls: dict[str, str], model: str, prompts: list[str], concur
         start, end = bounds[j], bounds[j + 1]
         for mode in modes[j % len(modes):] + modes[: j % len(modes)]:
             wall, results = asyncio.run(run_level(urls[mode], model, prompts[start:end], concurrency, end - start,
-                                                  max_tokens))
+                                                  max_tokens, sampling))
             for r in results:
                 r.prompt_index += start
             total, kept = totals[mode]
@@ -210,16 +217,18 @@ def run_alternating(urls: dict[str, str], model: str, prompts: list[str], concur
 
 def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencies: list[int],
               requests_per_user: int, max_tokens: int, min_requests: int = 4, save=None,
-              alternations: int = 1) -> dict:
+              alternations: int = 1, sampling: dict | None = None) -> dict:
     """Sweep every concurrency, modes in turn (alternating over slices of each level's requests
     when `alternations` > 1: run_alternating); returns the report (levels, identity, settings).
+    With `sampling` (temperature > 0) the modes' answers differ by design, so no identity is
+    compared: exactness under sampling is what `tandem audit` checks.
     `save(report)` is called after each concurrency, so an interrupted sweep keeps what it measured."""
     levels: dict[int, dict[str, LevelResult]] = {}
     texts: dict[str, dict[tuple[int, int], str]] = {m: {} for m in urls}
 
     def report() -> dict:
         reference = texts.get("off") or next(iter(texts.values()))
-        identity = {
+        identity = {} if sampling else {
             mode: {"compared": len(set(t) & set(reference)),
                    "mismatches": sum(1 for key, text in t.items() if key in reference and reference[key] != text)}
             for mode, t in texts.items()
@@ -227,7 +236,7 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
         return {
             "model": model, "modes": list(urls), "concurrency": concurrencies,
             "requests_per_user": requests_per_user, "max_tokens": max_tokens, "num_prompts": len(prompts),
-            "alternations": alternations,
+            "alternations": alternations, "sampling": sampling or {"temperature": 0},
             "definitions": SPEEDUP_DEFINITION,
             "levels": {str(c): {m: asdict(r) for m, r in per.items()} for c, per in levels.items()},
             "identity": identity,
@@ -250,7 +259,8 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
             steps.set_postfix_str(f"concurrency {c}, {mode}")
             steps.update()
 
-        runs = run_alternating(urls, model, level_prompts, c, max_tokens, alternations, progress=ran)
+        runs = run_alternating(urls, model, level_prompts, c, max_tokens, alternations, progress=ran,
+                               sampling=sampling)
         for mode, (wall, results) in runs.items():
             levels[c][mode] = summarize(mode, c, wall, results)
             texts[mode].update({(c, r.prompt_index): r.text for r in results if r.error is None})
@@ -376,8 +386,9 @@ def bench_serve(args) -> dict:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps({**report, **settings}, indent=2))
 
+        sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
         report = {**run_sweep(urls, model, prompts, args.concurrency, args.requests_per_user, args.max_tokens,
-                              save=save, alternations=args.alternations), **settings}
+                              save=save, alternations=args.alternations, sampling=sampling), **settings}
     finally:
         for proc in procs:
             stop_server(proc)
@@ -422,6 +433,10 @@ def add_serve_bench_parser(kinds) -> None:
                    help="Spec-Bench subtasks to draw from (multi_turn translation summarization qa math_reasoning rag)")
     p.add_argument("--prompts-file", default=None, help="your own prompts (.jsonl or one per line)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy, every mode's answers compared with off's; > 0: sampled with a seed per request "
+                        "(no identity check: `tandem audit` checks exactness under sampling)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     p.add_argument("--alternations", type=int, default=1,
                    help="split each level's requests into this many slices and run the modes in turn on each "
                         "(rotating which goes first): on a noisy machine every mode then sees the same drift")
