@@ -111,6 +111,7 @@ def test_broken_rows_raise():
         x[1, 33] = bad
         with pytest.raises(NonFiniteLogitsError):
             processed_probs(x, params)
+    assert processed_probs(torch.zeros(0, 70), params).shape == (0, 70)  # no rows: nothing to do
     refused = torch.full((1, 70), -INF)
     with pytest.raises(NonFiniteLogitsError, match="refuses every token"):
         processed_probs(logits(1, 70, 7), params, shift=refused)

@@ -1806,7 +1806,7 @@ struct SampleArgs {
 
 // Each row's processed distribution (into probs) and one draw from it (into tokens).
 void sample_rows(const SampleArgs& a) {
-#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(a.threads, a.rows)))
+#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(a.threads, a.rows))))
   {
     DrawWeights d;
 #pragma omp for schedule(static)
