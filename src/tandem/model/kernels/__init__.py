@@ -63,10 +63,10 @@ from tandem.model.kernels.records import (
     DraftTreeArgs,
     GradeArgs,
     LayerParts,
-    SampleStatus,
     LinearCall,
     RowProcessing,
     SampleArgs,
+    SampleStatus,
     TreeKeys,
     decoder_layers,
     kv_half,
@@ -78,9 +78,8 @@ from tandem.paths import cache_root
 # The package's face: the kernels, what they read, and which variant runs here.
 __all__ = [
     "GEGLU", "IDENTITY", "KERNEL_CHOICES", "RMS_NORM", "RMS_NORM_HALVES", "SWIGLU", "VARIANTS", "VARIANT_NAMES",
-    "BlockKernels", "BlockWeights", "DecoderShape", "DraftChain", "DraftLayer", "DraftRows", "LayerParts", "RowProcessing",
-    "SampleStatus",
-    "TreeKeys",
+    "BlockKernels", "BlockWeights", "DecoderShape", "DraftChain", "DraftLayer", "DraftRows", "LayerParts",
+    "RowProcessing", "SampleStatus", "TreeKeys",
     "block_kernels", "cpu_flags", "cpu_model", "cpu_name", "decoder_layers", "kernel_description", "load_variant",
     "selected_variant", "supported_variants",
 ]
@@ -340,7 +339,9 @@ class BlockKernels:
         min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float32)
         logits = _rows(logits)
         shift = None if shift is None else _rows(shift.float().expand(R, V))
-        ids, width = (None, V) if into is None else into
+        uniforms = None if uniforms is None else uniforms.to(torch.float64).contiguous()
+        row_of = None if row_of is None else row_of.to(torch.int64).contiguous()
+        ids, width = (None, V) if into is None else (into[0].to(torch.int64).contiguous(), into[1])
         out = (torch.zeros if into is not None else torch.empty)(R, width, dtype=torch.float32) if probs else None
         tokens = torch.empty(R, dtype=torch.int64) if uniforms is not None else None
         status = torch.empty(R, dtype=torch.int32)
@@ -361,6 +362,7 @@ class BlockKernels:
         logits = _rows(logits)
         shift = None if shift is None else _rows(shift.float())
         q = None if q is None else _rows(q)
+        draft, uniforms = draft.to(torch.int64).contiguous(), uniforms.to(torch.float64).contiguous()
         result = torch.zeros(3, dtype=torch.int64)  # accepted, token, status
         args = GradeArgs(ptr(logits), k, V, logits.stride(0), ptr(shift), 0 if shift is None else shift.stride(0),
                          processing.inv_temperature, processing.min_p, processing.top_k, processing.top_p, ptr(draft),
