@@ -40,16 +40,23 @@ def row_processing(params: SamplingParams) -> RowProcessing:
     return RowProcessing(1.0 / params.temperature, params.top_k, params.top_p, params.min_p)
 
 
-def raise_for_status(status: int) -> None:
-    """The error a SampleStatus other than SAMPLED stands for."""
+def status_error(status: int) -> Exception | None:
+    """The error a SampleStatus stands for (None for SAMPLED)."""
     if status == SampleStatus.NON_FINITE:
-        raise NonFiniteLogitsError("the model produced NaN or inf logits")
+        return NonFiniteLogitsError("the model produced NaN or inf logits")
     if status == SampleStatus.NO_MASS:
-        raise NonFiniteLogitsError("the request's logit shift (structured output, logit bias) refuses every token")
+        return NonFiniteLogitsError("the request's logit shift (structured output, logit bias) refuses every token")
     if status == SampleStatus.BAD_TOKEN:
-        raise ValueError("a draft token is outside the vocabulary")
+        return ValueError("a draft token is outside the vocabulary")
     if status == SampleStatus.BAD_DRAFT_PROBS:
-        raise NonFiniteLogitsError("the draft probabilities contain NaN or inf")
+        return NonFiniteLogitsError("the draft probabilities contain NaN or inf")
+    return None
+
+
+def raise_for_status(status: int) -> None:
+    """Raise the error a SampleStatus other than SAMPLED stands for."""
+    if (err := status_error(status)) is not None:
+        raise err
 
 
 def native_rows(kernels: BlockKernels, logits: torch.Tensor, params: SamplingParams,

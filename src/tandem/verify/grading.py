@@ -28,6 +28,7 @@ from tandem.sampling import (
     row_processing,
     sample,
     shifted,
+    status_error,
 )
 from tandem.types import Draft, GreedyRows, tree_paths
 from tandem.verify.chain import verify_chain
@@ -190,14 +191,7 @@ def sample_plain_rows(kernels: BlockKernels, logits: torch.Tensor, rows: list[in
     uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
     _, tokens, status = kernels.sample_rows(logits, [row_processing(p) for p in params], uniforms, probs=False,
                                             row_of=torch.tensor(rows, dtype=torch.int64))
-    drawn: list[int | NonFiniteLogitsError] = []
-    for token, code in zip(tokens.tolist(), status.tolist()):
-        try:
-            raise_for_status(code)
-            drawn.append(token)
-        except NonFiniteLogitsError as err:
-            drawn.append(err)
-    return drawn
+    return [status_error(code) or token for token, code in zip(tokens.tolist(), status.tolist())]
 
 
 def target_probs(logits: torch.Tensor, draft: Draft, params: SamplingParams, context: Sequence[int],

@@ -1628,6 +1628,22 @@ struct DrawWeights {        // one row's unnormalised weights and their block su
   }
 };
 
+// A thread's two DrawWeights, kept from call to call: a row's weights are a vocabulary wide
+// (192 KB for SmolLM2, 1 MB for Gemma 3), too much to allocate and clear on every draw.
+DrawWeights& draw_scratch(int which) {
+  thread_local DrawWeights scratch[2];
+  return scratch[which];
+}
+
+// Whether v[0..n) holds no NaN and no infinity (x * 0 is NaN exactly there).
+bool finite_row(const float* v, int64_t n) {
+  __m256 bad = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) bad = _mm256_add_ps(bad, _mm256_mul_ps(_mm256_loadu_ps(v + t), _mm256_setzero_ps()));
+  if (t < n) bad = _mm256_add_ps(bad, _mm256_mul_ps(_mm256_maskload_ps(v + t, tail_mask(n - t)), _mm256_setzero_ps()));
+  return !std::isnan(hsum8(bad));
+}
+
 // The block sums (and their total) of weights w[0..V).
 double sum_blocks(const float* w, int64_t V, double* block) {
   double total = 0;
@@ -1808,7 +1824,7 @@ struct SampleArgs {
 void sample_rows(const SampleArgs& a) {
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(a.threads, a.rows))))
   {
-    DrawWeights d;
+    DrawWeights& d = draw_scratch(0);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < a.rows; ++r) {
       const float* shift = a.shift == nullptr ? nullptr : a.shift + r * a.shift_ld;
@@ -1856,20 +1872,12 @@ void grade_chain(const GradeArgs& a) {
       *a.status = kBadToken;
       return;
     }
-    if (a.q != nullptr) {  // a NaN or inf anywhere in a q row makes its x * 0 sum NaN
-      __m256 bad = _mm256_setzero_ps();
-      const float* q = a.q + i * a.q_ld;
-      int64_t t = 0;
-      for (; t + 8 <= V; t += 8) bad = _mm256_add_ps(bad, _mm256_mul_ps(_mm256_loadu_ps(q + t), _mm256_setzero_ps()));
-      for (; t < V; ++t)
-        if (!std::isfinite(q[t])) bad = _mm256_set1_ps(NAN);
-      if (std::isnan(hsum8(bad))) {
-        *a.status = kBadDraftProbs;
-        return;
-      }
+    if (a.q != nullptr && !finite_row(a.q + i * a.q_ld, V)) {
+      *a.status = kBadDraftProbs;
+      return;
     }
   }
-  DrawWeights d, rest;
+  DrawWeights &d = draw_scratch(0), &rest = draw_scratch(1);
   const Processing how{a.inv_temperature, a.top_k, a.top_p, a.min_p};
   for (int64_t i = 0; i <= a.k; ++i) {
     const float* shift = a.shift == nullptr ? nullptr : a.shift + i * a.shift_ld;
