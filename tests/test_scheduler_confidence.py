@@ -21,7 +21,7 @@ from tandem.drafters import Drafter, register
 from tandem.engine.engine import Engine
 from tandem.sampling import processed_probs
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.confidence import RETRY_ROUNDS, ConfidenceScheduler
+from tandem.scheduler.confidence import RETRY_ROUNDS, SOURCE_ROUNDS, ConfidenceScheduler
 from tandem.scheduler.policy import DraftSlot, padded_rows
 from tandem.types import Draft
 
@@ -231,7 +231,24 @@ def test_worth_asking_bounds_a_round_by_what_past_rounds_say():
                             sources=("lookup", "head"))
     t.draft_lengths([DraftSlot("a", 2, "lookup")])
     t.admit(["a"], [chain(0.05, 0.05)], batch=1)
-    assert any(t.worth_asking(slots))
+    # for SOURCE_ROUNDS rounds it is priced at the source it had when asked ...
+    assert [any(t.worth_asking(slots)) for _ in range(SOURCE_ROUNDS)] == [False] * SOURCE_ROUNDS
+    assert any(t.worth_asking(slots))  # ... then the head, unknown for it, bounds it again
+
+
+def test_worth_asking_prices_the_source_a_request_was_last_asked_at_with_its_drafting_cost():
+    """A request whose head drafts would pay if drafting were free, but not at what the head
+    costs, is not asked again while the source it was last asked at still stands."""
+    s = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"), CostCurve((1, 2, 3), (1.0, 1.15, 1.3)),
+                            sources=("lookup", "head"))
+    slots = [DraftSlot("a", 2)]
+    assert any(s.worth_asking(slots))
+    assert s.draft_lengths([DraftSlot("a", 2, "head")]) == [2]
+    s.observe_draft_time(5.0, 1)  # a head round costs 5 forwards
+    s.admit(["a"], [chain(0.8, 0.8)], batch=1)
+    assert [any(s.worth_asking(slots)) for _ in range(SOURCE_ROUNDS)] == [False] * SOURCE_ROUNDS
+    assert any(s.worth_asking(slots))  # the lookup may draft it now, for free: asked again
+    assert s.draft_lengths([DraftSlot("a", 2, "head")]) == [0]  # and the head still does not pay
 
 
 def test_only_requests_whose_drafts_could_pay_are_asked_and_asking_has_a_price():

@@ -15,6 +15,12 @@ from tandem.types import Draft
 # Rounds without a draft after which the confidence scheduler prices a request as if its draft
 # would all pass, so its survivals are measured again (only where such a draft would pay).
 RETRY_ROUNDS = 32
+# Rounds for which the source a request's draft came from when it was last asked stands for the
+# source it would draft from now, in worth_asking: priced at that source's survivals and drafting
+# cost, a request whose draft would not pay is not asked again until this many rounds have
+# passed (the lookup's match moves with the text). Asking each request every round cost about 1
+# ms a round at 8 users on 2 cores (4% of a step), for drafts that almost never paid.
+SOURCE_ROUNDS = 4
 
 
 class ConfidenceScheduler(PricedPolicy):
@@ -52,7 +58,10 @@ class ConfidenceScheduler(PricedPolicy):
     A drafter with two sources (a head behind the suffix lookup) says before drafting which one
     each request's draft would come from (DraftSlot.source, from the context alone): survivals
     are then kept per source, and a lookup's draft is priced without drafting cost, so a head
-    whose drafts do not pay stops drafting while the lookup's drafts still go on.
+    whose drafts do not pay stops drafting while the lookup's drafts still go on. Asking costs
+    too (the lookup walks its tries), so `worth_asking` prices a request asked within the last
+    SOURCE_ROUNDS rounds at the source it had then, drafting cost included; others at their
+    best source for free.
     """
 
     prices_sources = True
@@ -70,6 +79,9 @@ class ConfidenceScheduler(PricedPolicy):
         self.global_expected: dict[str, list[float]] = {}
         self.sources: dict[str, str] = {}  # this round's source of each request that drafts
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
+        # Each request's source when it was last asked, and the round it was asked in.
+        self.asked: dict[str, tuple[str, int]] = {}
+        self.rounds = 0  # rounds worth_asking has priced
         self.catch_up_per_row = 0.0  # drafting time per backlog row, beyond a steady round's
         # Seconds per running request of asking at all, once worth_asking says yes for some: the
         # drafter's source for each request asked (the lookup's trie walks) and pricing the lengths.
@@ -78,29 +90,43 @@ class ConfidenceScheduler(PricedPolicy):
     def _global(self, source: str) -> list[float]:
         return self.global_expected.setdefault(source, [1.0] * self.k_max)
 
-    def _best_expected(self, slot: DraftSlot) -> list[float]:
-        """The highest survivals draft_lengths could price this request at, whichever source
-        drafts it: per position, the best of its expected survivals over the drafter's sources
-        (a source it has not drafted from: the server-wide ones), or all 1 once it is due a retry."""
+    def _expected(self, request_id: str, source: str) -> list[float]:
+        """The request's expected survivals from a source (one it has not drafted from: the
+        server-wide ones)."""
+        return self.expected.get(request_id, {}).get(source) or self._global(source)
+
+    def _draft_cost(self, slot: DraftSlot, source: str) -> float:
+        """What drafting the slot's request from `source` costs: nothing worth pricing for a
+        lookup's draft (a trie walk); a head's round, plus catching up on its backlog."""
+        return 0.0 if source == "lookup" else self.draft_seconds_per_unit + slot.backlog * self.catch_up_per_row
+
+    def _best_case(self, slot: DraftSlot) -> tuple[list[float], float]:
+        """The survivals and drafting cost worth_asking prices the request at: all 1 and free
+        once it is due a retry; at its source's, when it was asked within SOURCE_ROUNDS rounds;
+        else, per position, the best of its expected survivals over the drafter's sources, free."""
         if self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS:
-            return [1.0] * self.k_max
-        mine = self.expected.get(slot.request_id, {})
-        return [max(p) for p in zip(*((mine.get(s) or self._global(s)) for s in self.source_names))]
+            return [1.0] * self.k_max, 0.0
+        source, at = self.asked.get(slot.request_id, ("", -SOURCE_ROUNDS))
+        if self.rounds - at <= SOURCE_ROUNDS:
+            return self._expected(slot.request_id, source), self._draft_cost(slot, source)
+        return [max(p) for p in zip(*(self._expected(slot.request_id, s) for s in self.source_names))], 0.0
 
     def worth_asking(self, batch: Sequence[DraftSlot]) -> list[bool]:
         """Per request, whether its draft could be admitted: the admission before drafting at
-        each request's best expected survivals over the drafter's sources, with no drafting cost
-        but what asking costs (asking_per_request for every running request): the most this
-        round's drafts could bring, from past rounds. Only those requests are asked anything
+        each request's best case (_best_case) from past rounds, plus what asking costs
+        (asking_per_request for every running request). Only those requests are asked anything
         (the suffix lookup walks its tries for each one asked); under load none is, and the
-        load pays no drafting. (A bound up to the prefixes' share of each row, which differs
-        between requests: a gate, not the decision.)"""
+        load pays no drafting. (A gate, not the decision: a bound up to the prefixes' share of
+        each row, which differs between requests, and up to a source that changed since the
+        request was last asked.)"""
         B = len(batch)
         if B == 0:
             return []
+        self.rounds += 1
         contexts = slot_contexts(batch)
-        best_case = [self._best_expected(slot)[: max(0, slot.limit)] for slot in batch]
-        lengths, rate = self._admission(B, best_case, past_dips=True, contexts=contexts,
+        best_case, costs = zip(*(self._best_case(slot) for slot in batch))
+        best_case = [survivals[: max(0, slot.limit)] for survivals, slot in zip(best_case, batch)]
+        lengths, rate = self._admission(B, best_case, list(costs), past_dips=True, contexts=contexts,
                                         overhead=self.asking_per_request * B)
         if rate <= B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain):
             return [False] * B
@@ -127,12 +153,11 @@ class ConfidenceScheduler(PricedPolicy):
         survivals, costs = [], []
         for slot in batch:
             retry = self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS
-            expected = self.expected.get(slot.request_id, {}).get(slot.source) or self._global(slot.source)
+            expected = self._expected(slot.request_id, slot.source)
             survivals.append(([1.0] * self.k_max if retry else expected)[: max(0, slot.limit)])
-            # A lookup's draft is a trie walk: it costs no drafting worth pricing. A head's costs
-            # a round, plus catching up on the rows it has not seen (its backlog).
-            costs.append(0.0 if slot.source == "lookup"
-                         else self.draft_seconds_per_unit + slot.backlog * self.catch_up_per_row)
+            costs.append(self._draft_cost(slot, slot.source))
+            if slot.limit > 0:
+                self.asked[slot.request_id] = (slot.source, self.rounds)
         contexts = slot_contexts(batch)
         lengths, rate = self._admission(B, survivals, costs, past_dips=True, contexts=contexts)
         if rate <= B / self.seconds([1] * B, contexts) * (1.0 + self.min_gain):
@@ -230,3 +255,4 @@ class ConfidenceScheduler(PricedPolicy):
         self.expected.pop(request_id, None)
         self.idle.pop(request_id, None)
         self.sources.pop(request_id, None)
+        self.asked.pop(request_id, None)
