@@ -19,7 +19,8 @@ RETRY_ROUNDS = 32
 # source it would draft from now, in worth_asking: priced at that source's survivals and drafting
 # cost, a request whose draft would not pay is not asked again until this many rounds have
 # passed (the lookup's match moves with the text). Asking each request every round cost about 1
-# ms a round at 8 users on 2 cores (4% of a step), for drafts that almost never paid.
+# ms a round with 8 requests in flight on one kernel thread (4% of a step), for drafts that
+# almost never paid (docs/serving.md).
 SOURCE_ROUNDS = 4
 
 
@@ -106,9 +107,9 @@ class ConfidenceScheduler(PricedPolicy):
         else, per position, the best of its expected survivals over the drafter's sources, free."""
         if self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS:
             return [1.0] * self.k_max, 0.0
-        source, at = self.asked.get(slot.request_id, ("", -SOURCE_ROUNDS))
-        if self.rounds - at <= SOURCE_ROUNDS:
-            return self._expected(slot.request_id, source), self._draft_cost(slot, source)
+        asked = self.asked.get(slot.request_id)
+        if asked is not None and self.rounds - asked[1] <= SOURCE_ROUNDS:
+            return self._expected(slot.request_id, asked[0]), self._draft_cost(slot, asked[0])
         return [max(p) for p in zip(*(self._expected(slot.request_id, s) for s in self.source_names))], 0.0
 
     def worth_asking(self, batch: Sequence[DraftSlot]) -> list[bool]:
