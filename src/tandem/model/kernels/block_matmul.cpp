@@ -833,7 +833,8 @@ inline void score_key_block(const float* const* q, const KvT* block, int64_t D, 
       for (int j = 0; j < NQ; ++j) acc[j][r] = key16_fma(k, q[j][d + r], acc[j][r]);
     }
   }
-  for (int r = 0; d < D; ++d, ++r) {  // head dims that are not a multiple of P
+  // Head dims that are not a multiple of P: fewer than P are left (r < P tells the compiler so).
+  for (int r = 0; r < P && d < D; ++d, ++r) {
     const Key16 k = key16_load(block + d * kKeyBlock);
     for (int j = 0; j < NQ; ++j) acc[j][r] = key16_fma(k, q[j][d], acc[j][r]);
   }
