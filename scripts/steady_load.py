@@ -1,0 +1,107 @@
+"""A server's steady load in one process: B requests always in flight, a new one started as soon
+as one ends, and where each round's time goes, for plain decoding and speculative modes in turn.
+
+Each repetition decodes --requests Spec-Bench prompts not decoded before (from the subtasks the
+scheduler benchmarks use), greedy, --max-tokens each, through `Engine.add_request` / `step` as
+the server's engine thread does, and prints the wall time, the rounds and the engine's phases in
+ms per round. For the confidence scheduler it also counts how many requests were asked for a
+draft's source (`worth_asking`) and how many drafted.
+
+    .venv/bin/python scripts/steady_load.py --batch 8 --threads 1 off confidence:dspark
+
+A mode is `off` or POLICY:ALGORITHM. Timings are only comparable within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from tandem.config import SamplingParams
+from tandem.engine.engine import Engine
+from tandem.llm import LLM
+from tandem.model.kernels import cpu_name, kernel_description
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_phases import QUESTIONS, timed
+
+PHASES = ("_decode_round", "_verify_forward", "_propose", "_draft_sources", "_commit_round", "_learn", "_prefill")
+CATEGORIES = ("multi_turn", "qa", "translation", "math_reasoning")
+
+
+def count_asking(llm: LLM, counts: Counter) -> None:
+    """Count, per run, the requests worth_asking let through and those that drafted."""
+    policy = llm.engine.policy
+    worth, lengths = policy.worth_asking, policy.draft_lengths
+
+    def counted_worth(batch):
+        out = worth(batch)
+        counts["asked"] += sum(out)
+        return out
+
+    def counted_lengths(slots):
+        ks = lengths(slots)
+        counts["drafted"] += sum(1 for k in ks if k)
+        return ks
+
+    policy.worth_asking, policy.draft_lengths = counted_worth, counted_lengths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modes", nargs="+", help="off, or POLICY:ALGORITHM (confidence:dspark, adaptive:suffix, ...)")
+    parser.add_argument("--batch", type=int, default=8, help="requests in flight")
+    parser.add_argument("--requests", type=int, default=48, help="requests per mode and repetition")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="kernel threads (a server's default is 1 on 2 cores)")
+    args = parser.parse_args()
+    seconds, calls = defaultdict(float), Counter()
+    for name in PHASES:
+        timed(seconds, calls, name)
+    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()]
+    questions = [q for q in questions if q["category"] in CATEGORIES][: args.requests * args.repeats]
+    if len(questions) < args.requests * args.repeats:
+        raise SystemExit(f"only {len(questions)} prompts: ask for fewer --requests or --repeats")
+    llms, asking = {}, {}
+    for mode in args.modes:
+        spec = {}
+        if mode != "off":
+            policy, _, algorithm = mode.partition(":")
+            spec = {"speculative_policy": policy, **({"speculative_algorithm": algorithm} if algorithm else {})}
+        llms[mode] = LLM(max_num_seqs=max(32, args.batch), threads=args.threads, **spec)
+        llms[mode].generate(questions[0]["turns"][0], SamplingParams(temperature=0, max_tokens=16), chat=True)
+        asking[mode] = Counter()
+        if getattr(llms[mode].engine.policy, "prices_sources", False):
+            count_asking(llms[mode], asking[mode])
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    print(f"{cpu_name()}, {kernel_description()}, {args.threads} kernel thread(s): {args.batch} requests in flight, "
+          f"{args.requests} per run, {args.max_tokens} tokens each")
+    for rep in range(args.repeats):
+        batch_prompts = questions[rep * args.requests : (rep + 1) * args.requests]
+        for mode in args.modes:
+            engine: Engine = llms[mode].engine
+            prompts = [llms[mode].encode(q["turns"][0], chat=True) for q in batch_prompts]
+            seconds.clear()
+            calls.clear()
+            asking[mode].clear()
+            started, live, start = 0, 0, time.perf_counter()
+            while started < len(prompts) or engine.has_work():
+                while live < args.batch and started < len(prompts):
+                    engine.add_request(prompts[started], greedy)
+                    started += 1
+                    live += 1
+                live -= len({id(u.request) for u in engine.step() if u.request.finished})
+            wall = time.perf_counter() - start
+            rounds = max(1, calls["_decode_round"])
+            phases = " ".join(f"{name[1:]} {seconds[name] / rounds * 1e3:.2f}" for name in PHASES if calls[name])
+            asked = f"  asked {asking[mode]['asked']}, drafted {asking[mode]['drafted']}" if asking[mode] else ""
+            print(f"run {rep + 1} {mode:22s} {wall:6.2f} s, {rounds} rounds; ms a round: {phases}{asked}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
