@@ -251,6 +251,20 @@ def test_worth_asking_prices_the_source_a_request_was_last_asked_at_with_its_dra
     assert s.draft_lengths([DraftSlot("a", 2, "head")]) == [0]  # and the head still does not pay
 
 
+def test_a_head_alone_is_priced_at_its_drafting_cost_even_when_it_was_not_asked_lately():
+    """With one source the bound needs no free drafting: a head whose round costs more than any
+    draft could bring is never asked (under load a head alone had been asked every fifth round
+    for nothing); behind a lookup, whose drafts are free, the same head's request still is."""
+    curve = CostCurve((1, 2, 3), (1.0, 1.15, 1.3))
+    alone = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"), curve)
+    behind_lookup = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"), curve, sources=("lookup", "head"))
+    slots = [DraftSlot("a", 2)]
+    for s in (alone, behind_lookup):
+        s.observe_draft_time(5.0, 1)  # a head round costs 5 forwards
+    assert not any(alone.worth_asking(slots))  # even if its whole draft passed
+    assert any(behind_lookup.worth_asking(slots))
+
+
 def test_only_requests_whose_drafts_could_pay_are_asked_and_asking_has_a_price():
     s = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"),
                             CostCurve((1, 2, 3, 4, 5, 6), (1.0, 1.15, 1.3, 1.45, 1.6, 1.75)),

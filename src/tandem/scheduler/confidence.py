@@ -102,15 +102,19 @@ class ConfidenceScheduler(PricedPolicy):
         return 0.0 if source == "lookup" else self.draft_seconds_per_unit + slot.backlog * self.catch_up_per_row
 
     def _best_case(self, slot: DraftSlot) -> tuple[list[float], float]:
-        """The survivals and drafting cost worth_asking prices the request at: all 1 and free
-        once it is due a retry; at its source's, when it was asked within SOURCE_ROUNDS rounds;
-        else, per position, the best of its expected survivals over the drafter's sources, free."""
-        if self.idle.get(slot.request_id, 0) >= RETRY_ROUNDS:
-            return [1.0] * self.k_max, 0.0
+        """The survivals and drafting cost worth_asking prices the request at: at the source it
+        was asked at within the last SOURCE_ROUNDS rounds, if it was and is not due a retry;
+        else all 1 (due a retry) or, per position, the best of its expected survivals over the
+        drafter's sources, at the cheapest of their costs (free with a lookup, a head's round
+        for a head alone)."""
+        idle = self.idle.get(slot.request_id, 0)
         asked = self.asked.get(slot.request_id)
-        if asked is not None and self.rounds - asked[1] <= SOURCE_ROUNDS:
+        if idle < RETRY_ROUNDS and asked is not None and self.rounds - asked[1] <= SOURCE_ROUNDS:
             return self._expected(slot.request_id, asked[0]), self._draft_cost(slot, asked[0])
-        return [max(p) for p in zip(*(self._expected(slot.request_id, s) for s in self.source_names))], 0.0
+        cheapest = min(self._draft_cost(slot, source) for source in self.source_names)
+        if idle >= RETRY_ROUNDS:
+            return [1.0] * self.k_max, cheapest
+        return [max(p) for p in zip(*(self._expected(slot.request_id, s) for s in self.source_names))], cheapest
 
     def worth_asking(self, batch: Sequence[DraftSlot]) -> list[bool]:
         """Per request, whether its draft could be admitted: the admission before drafting at
