@@ -62,7 +62,7 @@ class ConfidenceScheduler(PricedPolicy):
     whose drafts do not pay stops drafting while the lookup's drafts still go on. Asking costs
     too (the lookup walks its tries), so `worth_asking` prices a request asked within the last
     SOURCE_ROUNDS rounds at the source it had then, drafting cost included; others at their
-    best source for free.
+    best expected survivals over the sources and the cheapest source's drafting cost.
     """
 
     prices_sources = True
