@@ -2,8 +2,8 @@
 at its end, alternating the builds in one process, and whether their logits are the same bits.
 
 For the default model with its default fp16 KV cache: each repetition runs, for every source in
-turn, a prefill of --prompt-tokens tokens (768) and then forwards of 1, 3 and 5 tokens after it
-(best of 5 each). Prints each build's best and median times and the median per-repetition ratio of the
+turn, a prefill of --prompt-tokens tokens (768) and then forwards of --verify-sizes tokens (1, 3
+and 5) after it (best of 5 each). Prints each build's best and median times and the median per-repetition ratio of the
 first build's time to each other's (> 1: the other is faster).
 
     git show bbe9ed9:src/tandem/model/kernels/block_matmul.cpp > /tmp/before.cpp
@@ -26,14 +26,14 @@ from tandem.model.kernels import cpu_name, load_variant, selected_variant
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 
-VERIFY_SIZES = (1, 3, 5)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="+", type=Path, help="versions of block_matmul.cpp (the first is the baseline)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--prompt-tokens", type=int, default=768, help="the context the verification forwards follow")
+    parser.add_argument("--verify-sizes", type=int, nargs="+", default=[1, 3, 5],
+                        help="tokens per verification forward after the prompt")
     args = parser.parse_args()
     variant = selected_variant()
     if variant is None:
@@ -52,7 +52,7 @@ def main() -> None:
             out = runner.forward([SeqInput(seq, prompt)])
             times.setdefault(("prefill", name), []).append(time.perf_counter() - start)
             logits.setdefault(name, out.logits)
-            for n in VERIFY_SIZES:
+            for n in args.verify_sizes:
                 best = float("inf")
                 for _ in range(5):
                     start = time.perf_counter()
@@ -64,7 +64,7 @@ def main() -> None:
     print(f"{cpu_name()}, kernels {variant}, {torch.get_num_threads()} threads; prompt {args.prompt_tokens} tokens, "
           f"verification forwards after it; {args.repeats} alternating repetitions")
     baseline = str(args.sources[0])
-    for what in ["prefill", *(f"verify {n}" for n in VERIFY_SIZES)]:
+    for what in ["prefill", *(f"verify {n}" for n in args.verify_sizes)]:
         for name in builds:
             ts = times[(what, name)]
             line = f"{what:9} {name}: best {1000 * min(ts):.2f} ms, median {1000 * statistics.median(ts):.2f} ms"
