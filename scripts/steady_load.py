@@ -9,7 +9,9 @@ draft's source (`worth_asking`) and how many drafted.
 
     .venv/bin/python scripts/steady_load.py --batch 8 --threads 1 off confidence:dspark
 
-A mode is `off` or POLICY:ALGORITHM. Timings are only comparable within one run.
+A mode is `off` or POLICY:ALGORITHM, with `@lookup=0` or `@corpus=0` after it as in `tandem
+bench serve` (confidence:dspark@lookup=0: the head alone). Timings are only comparable within one
+run.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def count_asking(llm: LLM, counts: Counter) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("modes", nargs="+", help="off, or POLICY:ALGORITHM (confidence:dspark, adaptive:suffix, ...)")
+    parser.add_argument("modes", nargs="+", help="off, or POLICY:ALGORITHM[@OPTION=0|1] (confidence:dspark, ...)")
     parser.add_argument("--batch", type=int, default=8, help="requests in flight")
     parser.add_argument("--requests", type=int, default=48, help="requests per mode and repetition")
     parser.add_argument("--repeats", type=int, default=3)
@@ -71,8 +73,12 @@ def main() -> None:
     for mode in args.modes:
         spec = {}
         if mode != "off":
-            policy, _, algorithm = mode.partition(":")
+            base, *options = mode.split("@")  # confidence:dspark@lookup=0, as tandem bench serve's modes
+            policy, _, algorithm = base.partition(":")
             spec = {"speculative_policy": policy, **({"speculative_algorithm": algorithm} if algorithm else {})}
+            for option in options:
+                key, _, value = option.partition("=")
+                spec[f"speculative_{key}"] = value == "1"
         llms[mode] = LLM(max_num_seqs=max(32, args.batch), threads=args.threads, **spec)
         llms[mode].generate(questions[0]["turns"][0], SamplingParams(temperature=0, max_tokens=16), chat=True)
         asking[mode] = Counter()
