@@ -255,12 +255,12 @@ class Engine:
         drawn in one kernel call (grading.sample_plain_rows: what grade_round's empty-draft case
         gives each, without a call per request), by batch index; {} where there are fewer than
         two or the kernels do not serve them."""
-        picked = [b for b, (req, draft) in enumerate(zip(batch, drafts))
-                  if not draft.token_ids and shifts[b] is None
-                  and native_sampling(req.params, out.logits) is not None]
+        served = [(b, native_sampling(req.params, out.logits)) for b, (req, draft) in enumerate(zip(batch, drafts))
+                  if not draft.token_ids and shifts[b] is None]
+        picked = [b for b, kernels in served if kernels is not None]
         if len(picked) < 2:
             return {}
-        kernels = native_sampling(batch[picked[0]].params, out.logits)
+        kernels = next(k for _, k in served if k is not None)
         tokens = grading.sample_plain_rows(kernels, out.logits, [out.offsets[b + 1] - 1 for b in picked],
                                            [batch[b].params for b in picked], [batch[b].generator for b in picked])
         return dict(zip(picked, tokens))

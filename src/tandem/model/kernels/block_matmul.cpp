@@ -1737,15 +1737,19 @@ int32_t row_weights(const float* x, const float* shift, int64_t V, const Process
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
   __m256 best = neg_inf, bad = _mm256_setzero_ps();  // bad: x * 0 is NaN where x is NaN or inf
   int64_t t = 0;
+  // x + shift at [at, at + 8) (-inf past the mask); the first pass also checks x (`checked`).
   auto logit = [&](int64_t at, __m256i mask) {
     __m256 v = _mm256_maskload_ps(x + at, mask);
-    bad = _mm256_add_ps(bad, _mm256_mul_ps(v, _mm256_setzero_ps()));
     if (shift != nullptr) v = _mm256_add_ps(v, _mm256_maskload_ps(shift + at, mask));
     return _mm256_blendv_ps(neg_inf, v, _mm256_castsi256_ps(mask));
   };
+  auto checked = [&](int64_t at, __m256i mask) {
+    bad = _mm256_add_ps(bad, _mm256_mul_ps(_mm256_maskload_ps(x + at, mask), _mm256_setzero_ps()));
+    return logit(at, mask);
+  };
   const __m256i all = _mm256_set1_epi32(-1);
-  for (; t + 8 <= V; t += 8) best = _mm256_max_ps(best, logit(t, all));
-  if (t < V) best = _mm256_max_ps(best, logit(t, tail_mask(V - t)));
+  for (; t + 8 <= V; t += 8) best = _mm256_max_ps(best, checked(t, all));
+  if (t < V) best = _mm256_max_ps(best, checked(t, tail_mask(V - t)));
   if (std::isnan(hsum8(bad))) return kNonFinite;
   const float top = hmax8(best);
   if (top == -INFINITY) return kNoMass;
