@@ -25,12 +25,14 @@ def test_the_report_measures_a_block_model(monkeypatch, capsys):
     report = kr.kernel_report(loaded, gguf_path="model.gguf")
     assert report.curve[1] == 1.0 and set(report.curve) == set(kr.CURVE)
     assert report.int8_peak_gmac_s > 0 and report.tandem_bytes > 0
+    assert 0 < report.q4_cached_gmac_s
     assert report.floor_ms == pytest.approx(1_000_000 / 10e9 * 1e3)
     assert report.macs_per_row == kr.linear_macs(model) > 0
     assert report.bf16_curve[1] == 1.0 and report.kernels.startswith("tandem ")
     kr.print_kernel_report(report)
     out = capsys.readouterr().out
     assert "weight-read floor" in out and "int8 peak" in out and "bf16 F.linear reference" in out
+    assert "its weights in L1" in out and "of the q4 GEMM's ceiling" in out
     has_bf16 = bool(set(kr.BF16_MULTIPLY_FLAGS) & set(report.isa))
     assert ("no bf16 multiply instructions" in out) == (not has_bf16)
 

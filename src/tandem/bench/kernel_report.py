@@ -1,7 +1,8 @@
 """The kernel part of `tandem bench base`: what the CPU allows and how close tandem's step gets.
 
 All measured in the same run: read bandwidth, the int8 multiply-add peak of the running kernel
-variant, the bytes a decode step must read (tandem's and the GGUF's own) and the floor they give,
+variant and what its q4 GEMM reaches with its weights in L1 (the ceiling of its instruction mix),
+the bytes a decode step must read (tandem's and the GGUF's own) and the floor they give,
 tandem's decode step at a stated context and its cost curve for n = 1..32 new tokens, the cost of
 each extra verified row against the peak, and torch's bf16 dense matmuls over the same linears as
 the reference of what this CPU does for small batches.
@@ -45,6 +46,7 @@ class KernelReport:
     extra_row_efficiency: float | None  # the row's multiply-adds at peak / its measured cost
     bf16_step_ms: float | None = None
     bf16_curve: dict[int, float] = field(default_factory=dict)
+    q4_cached_gmac_s: float | None = None  # the q4 GEMM over 8 rows with its weights in L1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -115,6 +117,7 @@ def kernel_report(loaded, gguf_path=None, with_bf16: bool = True) -> KernelRepor
     bandwidth = measure_bandwidth()
     k = block_kernels() if loaded.kernels == "block" else None
     peak = k.int8_peak() if k is not None else None
+    cached = k.q4_cached_peak() if k is not None else None
     gguf = gguf_step_bytes(gguf_path) if gguf_path is not None else None
     seconds = forward_cost_curve(loaded, repeats=20, sizes=CURVE, context=STEP_CONTEXT)
     macs = linear_macs(model)
@@ -130,6 +133,7 @@ def kernel_report(loaded, gguf_path=None, with_bf16: bool = True) -> KernelRepor
         step_ms=seconds[1] * 1e3, curve={n: s / seconds[1] for n, s in seconds.items()}, extra_row_ms=extra * 1e3,
         extra_row_efficiency=macs / peak / extra if peak else None,
         bf16_step_ms=bf16[1] * 1e3 if bf16 else None, bf16_curve={n: s / bf16[1] for n, s in bf16.items()},
+        q4_cached_gmac_s=cached / 1e9 if cached else None,
     )
 
 
@@ -138,6 +142,9 @@ def print_kernel_report(r: KernelReport) -> None:
     print(f"CPU: {r.cpu}{model} ({' '.join(r.isa)}); {r.threads} threads; quantized linears on {r.kernels}")
     print(f"read bandwidth {r.bandwidth_gb_s:.1f} GB/s (best of 7 sum() passes over 1 GB)", end="")
     print(f"; int8 peak {r.int8_peak_gmac_s:.0f} GMAC/s (register loop)" if r.int8_peak_gmac_s else "")
+    if r.q4_cached_gmac_s and r.int8_peak_gmac_s:
+        print(f"q4 GEMM over 8 rows, its weights in L1: {r.q4_cached_gmac_s:.0f} GMAC/s = "
+              f"{r.q4_cached_gmac_s / r.int8_peak_gmac_s * 100:.0f}% of the peak (the ceiling of its instruction mix)")
     gguf = f", the GGUF's own {r.gguf_bytes / 1e6:.0f} MB" if r.gguf_bytes else ""
     print(f"weights read per step: tandem {r.tandem_bytes / 1e6:.0f} MB{gguf}")
     if r.floor_ms:
@@ -155,5 +162,7 @@ def print_kernel_report(r: KernelReport) -> None:
             print("  (this CPU has no bf16 multiply instructions (AVX512-BF16, AMX-BF16): oneDNN widens the weights "
                   "to fp32 for each product, so this line is not the small-batch reference it is where they exist)")
     eff = f" = {r.extra_row_efficiency * 100:.0f}% of the int8 peak" if r.extra_row_efficiency else ""
+    if r.extra_row_efficiency and r.q4_cached_gmac_s:
+        eff += f", {r.extra_row_efficiency * r.int8_peak_gmac_s / r.q4_cached_gmac_s * 100:.0f}% of the q4 GEMM's ceiling"
     print(f"each extra verified row (n = 1..16): {r.extra_row_ms:.2f} ms for {r.macs_per_row / 1e6:.0f}M "
           f"multiply-adds{eff}")

@@ -86,6 +86,8 @@ def _kernel_table(kernels: dict) -> list[str]:
         ["kernels, threads", f"{kernels.get('kernels')}, {kernels.get('threads')}"],
         ["read bandwidth", f"{num(kernels.get('bandwidth_gb_s'), 1)} GB/s"],
         ["int8 peak (register loop)", f"{num(kernels.get('int8_peak_gmac_s'), 0)} GMAC/s"],
+        ["q4 GEMM over 8 rows, weights in L1", f"{num(kernels.get('q4_cached_gmac_s'), 0)} GMAC/s"
+         if kernels.get("q4_cached_gmac_s") else "-"],
         ["weights per step: tandem / the GGUF's own",
          f"{num((kernels.get('tandem_bytes') or 0) / 1e6, 0)} / "
          f"{num((kernels.get('gguf_bytes') or 0) / 1e6, 0) if kernels.get('gguf_bytes') else '-'} MB"],

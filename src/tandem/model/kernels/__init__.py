@@ -111,8 +111,12 @@ class BlockKernels:
         self._sample_rows = lib.tandem_sample_rows
         self._grade_chain = lib.tandem_grade_chain
         self._peak = lib.tandem_int8_peak
-        self._peak.argtypes = [ctypes.c_int64, ctypes.c_int]
-        self._peak.restype = ctypes.c_int64
+        # Absent from builds of older sources (scripts/kernel_ab.py times those too).
+        self._q4_cached_peak = getattr(lib, "tandem_q4_cached_peak", None)
+        for fn in (self._peak, self._q4_cached_peak):
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int64, ctypes.c_int]
+                fn.restype = ctypes.c_int64
         for fn, args in ((self._linear, LinearCall), (self._attend, AttendArgs), (self._decoder, DecoderArgs),
                          (self._draft_layer, DraftLayerArgs), (self._draft_chain, DraftChainArgs),
                          (self._draft_tree, DraftTreeArgs), (self._sample_rows, SampleArgs),
@@ -123,21 +127,14 @@ class BlockKernels:
     def int8_peak(self, threads: int | None = None, seconds: float = 0.3) -> float:
         """Multiply-adds per second of this variant's int8 instruction (vpdpbusd, or
         vpmaddubsw + vpmaddwd on AVX2) in a register-only loop on `threads` threads: best of 5."""
-        threads = threads or torch.get_num_threads()
-        iters = 1 << 16
-        while True:  # size the loop to about `seconds`
-            t = time.perf_counter()
-            macs = self._peak(iters, threads)
-            elapsed = time.perf_counter() - t
-            if elapsed > seconds / 4:
-                break
-            iters *= 4
-        best = elapsed
-        for _ in range(4):
-            t = time.perf_counter()
-            self._peak(iters, threads)
-            best = min(best, time.perf_counter() - t)
-        return macs / best
+        return _best_rate(self._peak, threads or torch.get_num_threads(), seconds)
+
+    def q4_cached_peak(self, threads: int | None = None, seconds: float = 0.3) -> float:
+        """Multiply-adds per second of the q4 GEMM's own loop over 8 activation rows, its weights
+        held in L1 (no memory stalls): the ceiling of its instruction mix, best of 5."""
+        if self._q4_cached_peak is None:
+            raise RuntimeError("these kernels were built from a source without tandem_q4_cached_peak")
+        return _best_rate(self._q4_cached_peak, threads or torch.get_num_threads(), seconds)
 
     def pack(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None,
              bias: torch.Tensor | None = None) -> BlockWeights:
@@ -387,6 +384,25 @@ class BlockKernels:
             kv_half(caches[0][0], caches[0][1]),
         )
         return args, (k_ptrs, v_ptrs, capacity, head)
+
+
+def _best_rate(loop, threads: int, seconds: float) -> float:
+    """Operations per second of a native `loop(iters, threads) -> operations`: sized to about
+    `seconds`, best of 5."""
+    iters = 1 << 10
+    while True:
+        t = time.perf_counter()
+        ops = loop(iters, threads)
+        elapsed = time.perf_counter() - t
+        if elapsed > seconds / 4:
+            break
+        iters *= 4
+    best = elapsed
+    for _ in range(4):
+        t = time.perf_counter()
+        loop(iters, threads)
+        best = min(best, time.perf_counter() - t)
+    return ops / best
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

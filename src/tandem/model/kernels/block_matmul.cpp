@@ -180,6 +180,26 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+#if TANDEM_LANES == 16
+// exp8's steps on 16 lanes: the same operations lane by lane, so the same bits as exp8.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // Loads/stores of the first `n` (< 8) floats, the rest zero: the tails of rows that are not
 // a multiple of 8 wide.
 inline __m256i tail_mask(int64_t n) {
@@ -219,35 +239,47 @@ struct QuantizedRows {
 };
 
 // Row i of `out` (already sized, size_for) from the K floats at x: per block of 32, the scale
-// amax / 127 and the codes rounded half to even.
+// amax / 127 and the codes rounded half to even. In three passes, so that the two divisions per
+// block run 8 blocks to an instruction (IEEE division: the same bits as one at a time): each
+// block's max |x|, then the scales and their inverses, then the codes and their sums.
 void quantize_row(const float* x, int64_t i, int64_t K, QuantizedRows& out) {
   const int64_t nb = K / kBlock;
+  float* scale = out.scale.data() + i * nb;
+  float* inverse = out.scaled_sum.data() + i * nb;  // until the pass that overwrites it reads it
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const float* src = x + b * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(src + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
-    }
-    const float s = hmax8(amax) / 127.f;
-    const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f);
-    __m256i q[4], total = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      // round half to even, as std::nearbyint in the default rounding mode
-      q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      total = _mm256_add_epi32(total, q[j]);
-    }
+    __m256 amax = _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src));
+    for (int j = 1; j < 4; ++j) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(src + 8 * j)));
+    scale[b] = hmax8(amax);
+  }
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 s = _mm256_div_ps(_mm256_loadu_ps(scale + b), _mm256_set1_ps(127.f));
+    const __m256 positive = _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ);
+    _mm256_storeu_ps(scale + b, s);
+    _mm256_storeu_ps(inverse + b, _mm256_and_ps(positive, _mm256_div_ps(_mm256_set1_ps(1.f), s)));
+  }
+  for (; b < nb; ++b) {
+    const float s = scale[b] / 127.f;
+    scale[b] = s;
+    inverse[b] = s > 0.f ? 1.f / s : 0.f;
+  }
+  for (b = 0; b < nb; ++b) {
+    const float* src = x + b * kBlock;
+    const __m256 inv = _mm256_set1_ps(inverse[b]);
+    __m256i q[4];
+    // cvtps rounds in the default mode: half to even, as std::nearbyint
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * j), inv));
     const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
     // packs interleaves 128-bit lanes: restore element order with one permute.
     const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * K + b * kBlock), q8);
-    alignas(32) int32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), total);
-    int sum = 0;
-    for (int j = 0; j < 8; ++j) sum += lanes[j];
-    out.scale[i * nb + b] = s;
-    out.scaled_sum[i * nb + b] = s * static_cast<float>(sum);
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+    const int sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
+    out.scaled_sum[i * nb + b] = scale[b] * static_cast<float>(sum);
     out.q8_start[i * nb + b] = -kQ8Bias * sum;
   }
 }
@@ -290,14 +322,33 @@ void transform_row(const float* src, int64_t K, int transform, const float* w, f
     rms_norm_into(src, K / 2, w, eps, dst);
     rms_norm_into(src + K / 2, K / 2, w + K / 2, eps, dst + K / 2);
   } else if (transform == kSwiGLU) {  // g / (1 + e^-g) * u
-    for (int64_t j = 0; j < K; j += 8) {
+    int64_t j = 0;
+#if TANDEM_LANES == 16
+    // The same operations lane by lane on 16 lanes (exp16), so the same bits.
+    for (; j + 16 <= K; j += 16) {
+      const __m512 g = _mm512_loadu_ps(src + j), u = _mm512_loadu_ps(src + K + j);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u));
+    }
+#endif
+    for (; j < K; j += 8) {
       const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
       const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
       _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u));
     }
   } else if (transform == kGeGLU) {  // 0.5 g (1 + tanh(c (g + 0.044715 g^3))) u, tanh z = 1 - 2 / (e^2z + 1)
     const __m256 c2 = _mm256_set1_ps(2.f * 0.7978845608028654f), k3 = _mm256_set1_ps(0.044715f);
-    for (int64_t j = 0; j < K; j += 8) {
+    int64_t j = 0;
+#if TANDEM_LANES == 16
+    for (; j + 16 <= K; j += 16) {
+      const __m512 g = _mm512_loadu_ps(src + j), u = _mm512_loadu_ps(src + K + j), one16 = _mm512_set1_ps(1.f);
+      const __m512 z2 = _mm512_mul_ps(_mm512_set1_ps(2.f * 0.7978845608028654f),
+                                      _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+      const __m512 t = _mm512_sub_ps(one16, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp16(z2), one16)));
+      _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one16, t)), u));
+    }
+#endif
+    for (; j < K; j += 8) {
       const __m256 g = _mm256_loadu_ps(src + j), u = _mm256_loadu_ps(src + K + j);
       const __m256 z2 = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k3, g), _mm256_mul_ps(g, g), g));
       const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(exp8(z2), one)));
@@ -649,7 +700,7 @@ struct AttendArgs {
   void* const* seq_v;
   const int64_t* seq_M;
   // The shared cache's keys in blocks of kKeyBlock slots, each block [D][kKeyBlock] (a block's
-  // keys side by side, dim by dim; see score_key_block); values stay [M, D]. 0: keys [M, D].
+  // keys side by side, dim by dim; see score_key_blocks); values stay [M, D]. 0: keys [M, D].
   int k_blocked;
 };
 
@@ -736,6 +787,31 @@ inline float hsum8_pairwise(__m256 v) {
 // Softmax of the n scores in place (padded to a multiple of 8) -> their sum. The padding lanes
 // are zeroed (exp8 clamps -inf to e^-87).
 inline float softmax_in_place(float* scores, int64_t n) {
+#if TANDEM_LANES == 16
+  // exp16 over 16 scores at a time, each half added to the 8-lane total in turn: the bits of the
+  // 8-lane loop below (the padding lanes add +0).
+  __m512 mx16 = _mm512_set1_ps(-INFINITY);
+  const int64_t whole = n / 16 * 16;
+  for (int64_t i = 0; i < whole; i += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(scores + i));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
+  if (tail) mx16 = _mm512_max_ps(mx16, _mm512_mask_loadu_ps(mx16, tail, scores + whole));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx16));
+  __m256 total8 = _mm256_setzero_ps();
+  auto add_halves = [&](__m512 e) {
+    total8 = _mm256_add_ps(total8, _mm512_castps512_ps256(e));
+    total8 = _mm256_add_ps(total8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  };
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + i), mx));
+    _mm512_storeu_ps(scores + i, e);
+    add_halves(e);
+  }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + whole), mx)));
+    _mm512_mask_storeu_ps(scores + whole, tail, e);
+    add_halves(e);
+  }
+#else
   __m256 mx8 = _mm256_set1_ps(-INFINITY);
   for (int64_t i = n; i < (n + 7) / 8 * 8; ++i) scores[i] = -INFINITY;
   for (int64_t i = 0; i < n; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(scores + i));
@@ -747,6 +823,7 @@ inline float softmax_in_place(float* scores, int64_t n) {
     _mm256_storeu_ps(scores + i, e);
     total8 = _mm256_add_ps(total8, e);
   }
+#endif
   return hsum8(total8);
 }
 
@@ -791,7 +868,7 @@ inline Key16 key16_zero() { return {_mm512_setzero_ps()}; }
 inline Key16 key16_fma(Key16 k, float q, Key16 acc) { return {_mm512_fmadd_ps(k.v, _mm512_set1_ps(q), acc.v)}; }
 inline Key16 key16_add(Key16 a, Key16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline void key16_store_scaled(float* p, Key16 a, float scale) { _mm512_storeu_ps(p, _mm512_mul_ps(a.v, _mm512_set1_ps(scale))); }
-constexpr int kScorePartials = 4;  // partial sums per score (dims d mod 4): chains enough to keep the FMA ports busy
+constexpr int kChainsPerDim = 16;  // score chains one pass keeps in registers (queries x key blocks)
 #else
 struct Key16 {
   __m256 lo, hi;
@@ -812,38 +889,45 @@ inline void key16_store_scaled(float* p, Key16 a, float scale) {
   _mm256_storeu_ps(p, _mm256_mul_ps(a.lo, s));
   _mm256_storeu_ps(p + 8, _mm256_mul_ps(a.hi, s));
 }
-constexpr int kScorePartials = 2;  // 16 registers on AVX2: fewer chains
+constexpr int kChainsPerDim = 4;  // 16 registers on AVX2, and a Key16 takes two
 #endif
 
-// The scores of NQ queries against the 16 keys of one block, 16 at out[j] for query j. Each
-// score is the same arithmetic whatever else shares the call: over the dims d = r mod
-// kScorePartials in order, one sum per r, then the sums added pairwise ((s0 + s1) + (s2 + s3)),
-// then times scale. So a token's scores do not depend on the other queries, blocks or tokens of
-// its call, and a key read alone (a tree node's path, below) scores as in its whole block.
-template <int NQ, typename KvT>
-inline void score_key_block(const float* const* q, const KvT* block, int64_t D, float scale, float* const* out) {
-  constexpr int P = kScorePartials;
-  Key16 acc[NQ][P];
+// The scores of NQ queries against NB consecutive key blocks (16 keys each) from `blocks`: query
+// j's 16 scores of block b at out[j] + 16 b. Each score is one FMA chain over the dims in order,
+// then times scale, whatever else shares the call: a token's scores do not depend on the other
+// queries, blocks or tokens of its call, and a key read alone (a tree node's path, below) scores
+// as in its whole block. A pass holds NQ x NB chains, so each q[j][d] broadcast serves NB blocks
+// and each key row NQ queries: this CPU's loads, not its FMAs, bound a pass with fewer
+// (docs/kernels.md, "Attention").
+template <int NQ, int NB, typename KvT>
+inline void score_key_blocks(const float* const* q, const KvT* blocks, int64_t D, float scale, float* const* out) {
+  Key16 acc[NQ][NB];
   for (int j = 0; j < NQ; ++j)
-    for (int r = 0; r < P; ++r) acc[j][r] = key16_zero();
-  int64_t d = 0;
-  for (; d + P <= D; d += P) {
-    for (int r = 0; r < P; ++r) {
-      const Key16 k = key16_load(block + (d + r) * kKeyBlock);
-      for (int j = 0; j < NQ; ++j) acc[j][r] = key16_fma(k, q[j][d + r], acc[j][r]);
+    for (int b = 0; b < NB; ++b) acc[j][b] = key16_zero();
+  for (int64_t d = 0; d < D; ++d) {
+    float qd[NQ];
+    for (int j = 0; j < NQ; ++j) qd[j] = q[j][d];
+    for (int b = 0; b < NB; ++b) {
+      const Key16 k = key16_load(blocks + (b * D + d) * kKeyBlock);
+      for (int j = 0; j < NQ; ++j) acc[j][b] = key16_fma(k, qd[j], acc[j][b]);
     }
   }
-  // Head dims that are not a multiple of P: fewer than P are left (r < P tells the compiler so).
-  for (int r = 0; r < P && d < D; ++d, ++r) {
-    const Key16 k = key16_load(block + d * kKeyBlock);
-    for (int j = 0; j < NQ; ++j) acc[j][r] = key16_fma(k, q[j][d], acc[j][r]);
+  for (int j = 0; j < NQ; ++j)
+    for (int b = 0; b < NB; ++b) key16_store_scaled(out[j] + b * kKeyBlock, acc[j][b], scale);
+}
+
+// The key blocks [b0, b1) of a kv head's keys K for NQ queries: query j's block b scores at
+// at(j, b). Passes of NB blocks, the rest in passes half as wide.
+template <int NQ, int NB, typename KvT, typename At>
+void score_key_run(const float* const* q, const KvT* K, int64_t D, float scale, int64_t b0, int64_t b1, At at) {
+  int64_t b = b0;
+  for (; b + NB <= b1; b += NB) {
+    float* out[NQ];
+    for (int j = 0; j < NQ; ++j) out[j] = at(j, b);
+    score_key_blocks<NQ, NB>(q, K + b * D * kKeyBlock, D, scale, out);
   }
-  for (int j = 0; j < NQ; ++j) {
-    Key16 total = acc[j][0];
-    if constexpr (P == 4) total = key16_add(key16_add(acc[j][0], acc[j][1]), key16_add(acc[j][2], acc[j][3]));
-    else total = key16_add(acc[j][0], acc[j][1]);
-    key16_store_scaled(out[j], total, scale);
-  }
+  if constexpr (NB > 1)
+    if (b < b1) score_key_run<NQ, NB / 2>(q, K, D, scale, b, b1, at);
 }
 
 // One query of one kv head: its rotated q [D], the keys it reads, its score buffer (at least
@@ -874,25 +958,19 @@ void score_blocked(const Query* qs, const KvT* K, int64_t D, float scale) {
   }
   common_hi = std::max(common_hi, common_lo);
   auto at = [&](int j, int64_t b) { return qs[j].scores + b * kKeyBlock - qs[j].keys.lo; };
-  for (int j = 0; j < NQ; ++j) {
-    for (int64_t b = first[j]; b < end[j]; ++b) {
-      if (b >= common_lo && b < common_hi) continue;
-      float* out = at(j, b);
-      score_key_block<1>(&q[j], K + b * D * kKeyBlock, D, scale, &out);
-    }
+  for (int j = 0; j < NQ; ++j) {  // each query's blocks outside the common range
+    auto own = [&](int, int64_t b) { return at(j, b); };
+    score_key_run<1, kChainsPerDim>(&q[j], K, D, scale, first[j], std::min(end[j], common_lo), own);
+    score_key_run<1, kChainsPerDim>(&q[j], K, D, scale, std::max(first[j], common_hi), end[j], own);
   }
-  for (int64_t b = common_lo; b < common_hi; ++b) {
-    float* out[NQ];
-    for (int j = 0; j < NQ; ++j) out[j] = at(j, b);
-    score_key_block<NQ>(q, K + b * D * kKeyBlock, D, scale, out);
-  }
+  score_key_run<NQ, std::max(1, kChainsPerDim / NQ)>(q, K, D, scale, common_lo, common_hi, at);
   for (int j = 0; j < NQ; ++j) {  // last: block lanes past the range may have landed here
     const KeyList& kl = qs[j].keys;
     for (int64_t i = kl.range; i < kl.size(); ++i) {
       const int64_t slot = kl.extra[i - kl.range];
       alignas(64) float lanes[kKeyBlock];
       float* out = lanes;
-      score_key_block<1>(&q[j], K + key_block_offset(slot, D), D, scale, &out);
+      score_key_blocks<1, 1>(&q[j], K + key_block_offset(slot, D), D, scale, &out);
       qs[j].scores[i] = lanes[slot % kKeyBlock];
     }
   }
@@ -1592,6 +1670,39 @@ int64_t int8_peak(int64_t iters, int threads) {
   return total;
 }
 
+// Multiply-adds per second of the q4 GEMM's own loop (group_rows, 8 activation rows) over one
+// group of weights small enough to stay in L1 (32 blocks, 8 KB), `iters` times on `threads`
+// threads: what its instruction mix allows when no weight ever waits on memory, the ceiling an
+// extra verified row's GEMM work can approach (docs/kernels.md).
+int64_t q4_cached_peak(int64_t iters, int threads) {
+  constexpr int64_t K = 32 * kBlock, kRows = kRowTile;
+  int64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    std::vector<uint8_t> packed(K / 2 * kLanes);
+    std::vector<uint16_t> d(K / kBlock * kLanes, 0x2000), m(K / kBlock * kLanes, 0xA000);  // fp16 2^-7, -2^-7
+    for (size_t i = 0; i < packed.size(); ++i) packed[i] = static_cast<uint8_t>(i * 37 + omp_get_thread_num());
+    const Weights w{packed.data(), d.data(), m.data(), nullptr, kLanes, K, 1};
+    QuantizedRows xq;
+    xq.size_for(kRows, K);
+    std::vector<float> x(K);
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t j = 0; j < K; ++j) x[j] = std::sin(static_cast<float>(r * K + j));
+      quantize_row(x.data(), r, K, xq);
+    }
+    alignas(64) float out[kRows * kLanes];
+    float sink = 0.f;
+    for (int64_t it = 0; it < iters; ++it) {
+      group_rows<true, kRows>(w, 0, xq, 0, out);
+      sink += out[it % (kRows * kLanes)];
+    }
+    volatile float keep = sink;
+    (void)keep;
+    total += iters * kRows * kLanes * K;
+  }
+  return total;
+}
+
 // ---- sampling: the default processed distribution, inverse-CDF draws, the chain rule --------
 //
 // For a request without a penalty (sampling.py sends those to torch), a row of logits x and its
@@ -1948,6 +2059,7 @@ void tandem_draft_layer(const DraftLayerArgs* a) { draft_layer(*a); }
 void tandem_draft_chain(const DraftChainArgs* a) { draft_chain(*a); }
 void tandem_draft_tree(const DraftTreeArgs* a) { draft_tree(*a); }
 int64_t tandem_int8_peak(int64_t iters, int threads) { return int8_peak(iters, threads); }
+int64_t tandem_q4_cached_peak(int64_t iters, int threads) { return q4_cached_peak(iters, threads); }
 void tandem_sample_rows(const SampleArgs* a) { sample_rows(*a); }
 void tandem_grade_chain(const GradeArgs* a) { grade_chain(*a); }
 }
