@@ -3,10 +3,12 @@
 Decodes 8 Spec-Bench prompts (every tenth of the first 80) one at a time with the default model
 and the given sampling, after one warm-up, and prints tokens per second, tau, and each phase of
 `Engine` (_propose, _verify_forward, _grade, _commit_round) in ms per round. METHOD is `off`
-(plain decoding) or a drafter; heads run without the suffix lookup in front.
+(plain decoding) or a drafter; a head runs alone unless --lookup puts the suffix lookup in front
+of it, under --policy (fixed, adaptive, or confidence: the scheduler).
 
     .venv/bin/python scripts/engine_phases.py off --temperature 1
     .venv/bin/python scripts/engine_phases.py eagle3 --temperature 0.8 --top-p 0.95
+    .venv/bin/python scripts/engine_phases.py dspark --lookup --policy confidence --temperature 0
 
 With --batch N: N prompts (every tenth of the first 10 N) decoded together, as a server with N
 users would batch them; a round is then one step of the whole batch.
@@ -54,12 +56,15 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (default 1: one at a time)")
+    parser.add_argument("--policy", default="fixed", help="fixed, adaptive or confidence (the scheduler)")
+    parser.add_argument("--lookup", action="store_true", help="a head drafts behind the suffix lookup, as served")
     args = parser.parse_args()
     seconds, calls = defaultdict(float), Counter()
     phases = [name for name in PHASES if hasattr(Engine, name)]  # an older commit may lack one
     for name in (*phases, "_decode_round"):
         timed(seconds, calls, name)
-    spec = {} if args.method == "off" else {"speculative_algorithm": args.method, "speculative_lookup": False}
+    spec = {} if args.method == "off" else {"speculative_algorithm": args.method, "speculative_lookup": args.lookup,
+                                            "speculative_policy": args.policy}
     llm = LLM(max_num_seqs=max(8, args.batch), **spec)
     count = max(8, args.batch)
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()][: 10 * count : 10]
@@ -79,7 +84,8 @@ def main() -> None:
         tokens += sum(len(out.token_ids) for out in outs)
     elapsed = time.perf_counter() - start
     rounds = calls["_decode_round"]
-    print(f"{cpu_name()}, {kernel_description()}: {args.method} at temperature {args.temperature}, top-p {args.top_p}, "
+    print(f"{cpu_name()}, {kernel_description()}: {args.method} ({args.policy} policy"
+          f"{', behind the lookup' if args.lookup else ''}) at temperature {args.temperature}, top-p {args.top_p}, "
           f"top-k {args.top_k}")
     print(f"{tokens / elapsed:.1f} tok/s, {rounds} rounds (batch {args.batch}), tokens per round {tokens / rounds:.2f}")
     for name in phases:
