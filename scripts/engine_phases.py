@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together (default 1: one at a time)")
     parser.add_argument("--policy", default="fixed", help="fixed, adaptive or confidence (the scheduler)")
     parser.add_argument("--lookup", action="store_true", help="a head drafts behind the suffix lookup, as served")
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads (tandem serve runs 1 on 2 cores)")
     args = parser.parse_args()
     seconds, calls = defaultdict(float), Counter()
     phases = [name for name in PHASES if hasattr(Engine, name)]  # an older commit may lack one
@@ -65,7 +66,7 @@ def main() -> None:
         timed(seconds, calls, name)
     spec = {} if args.method == "off" else {"speculative_algorithm": args.method, "speculative_lookup": args.lookup,
                                             "speculative_policy": args.policy}
-    llm = LLM(max_num_seqs=max(8, args.batch), **spec)
+    llm = LLM(max_num_seqs=max(8, args.batch), threads=args.threads, **spec)
     count = max(8, args.batch)
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()][: 10 * count : 10]
 
@@ -76,18 +77,20 @@ def main() -> None:
     llm.generate(questions[0]["turns"][0], params(0, 16), chat=True)
     seconds.clear()
     calls.clear()
-    start, tokens = time.perf_counter(), 0
+    start, cpu_start, tokens = time.perf_counter(), time.thread_time(), 0
     for first in range(0, len(questions), args.batch):
         group = questions[first : first + args.batch]
         outs = llm.generate([q["turns"][0] for q in group],
                             [params(first + i, args.max_tokens) for i in range(len(group))], chat=True)
         tokens += sum(len(out.token_ids) for out in outs)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
     rounds = calls["_decode_round"]
     print(f"{cpu_name()}, {kernel_description()}: {args.method} ({args.policy} policy"
           f"{', behind the lookup' if args.lookup else ''}) at temperature {args.temperature}, top-p {args.top_p}, "
           f"top-k {args.top_k}")
-    print(f"{tokens / elapsed:.1f} tok/s, {rounds} rounds (batch {args.batch}), tokens per round {tokens / rounds:.2f}")
+    print(f"{tokens / elapsed:.1f} tok/s, {rounds} rounds (batch {args.batch}), tokens per round {tokens / rounds:.2f}; "
+          f"this thread's CPU time {cpu / tokens * 1e3:.3f} ms a token (with --threads 1, all the work's: steadier "
+          "than the wall clock on a shared host)")
     for name in phases:
         print(f"  {name:16s} {seconds[name] / rounds * 1e3:.3f} ms a round")
 

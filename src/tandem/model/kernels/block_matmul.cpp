@@ -784,8 +784,9 @@ inline float hsum8_pairwise(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
 }
 
-// Softmax of the n scores in place (padded to a multiple of 8) -> their sum. The padding lanes
-// are zeroed (exp8 clamps -inf to e^-87).
+// Softmax of the n scores in place -> their sum. The 8-lane loop pads the scores to a multiple
+// of 8 and zeroes the padding lanes (exp8 clamps -inf to e^-87); the 16-lane one masks its tail
+// and leaves what lies past n alone (nothing reads it).
 inline float softmax_in_place(float* scores, int64_t n) {
 #if TANDEM_LANES == 16
   // exp16 over 16 scores at a time, each half added to the 8-lane total in turn: the bits of the
