@@ -20,7 +20,8 @@ RETRY_ROUNDS = 32
 # cost, a request whose draft would not pay is not asked again until this many rounds have
 # passed (the lookup's match moves with the text). Asking each request every round cost about 1
 # ms a round with 8 requests in flight on one kernel thread (4% of a step), for drafts that
-# almost never paid (docs/serving.md).
+# almost never paid (docs/serving.md). A head's source stands for the free lookup in front of it:
+# the lookup found nothing last round but mostly finds a draft the next.
 SOURCE_ROUNDS = 4
 
 
@@ -61,8 +62,9 @@ class ConfidenceScheduler(PricedPolicy):
     are then kept per source, and a lookup's draft is priced without drafting cost, so a head
     whose drafts do not pay stops drafting while the lookup's drafts still go on. Asking costs
     too (the lookup walks its tries), so `worth_asking` prices a request asked within the last
-    SOURCE_ROUNDS rounds at the source it had then, drafting cost included; others at their
-    best expected survivals over the sources and the cheapest source's drafting cost.
+    SOURCE_ROUNDS rounds at the source it had then, drafting cost included (a head's at the free
+    lookup in front of it instead); others at their best expected survivals over the sources and
+    the cheapest source's drafting cost.
     """
 
     prices_sources = True
@@ -103,15 +105,20 @@ class ConfidenceScheduler(PricedPolicy):
 
     def _best_case(self, slot: DraftSlot) -> tuple[list[float], float]:
         """The survivals and drafting cost worth_asking prices the request at: at the source it
-        was asked at within the last SOURCE_ROUNDS rounds, if it was and is not due a retry;
-        else all 1 (due a retry) or, per position, the best of its expected survivals over the
-        drafter's sources, at the cheapest of their costs (free with a lookup, a head's round
-        for a head alone)."""
+        was asked at within the last SOURCE_ROUNDS rounds, if it was and is not due a retry
+        (where that source was a head's and the drafter has a free one, the lookup, at the free
+        one: the lookup's match moves with the text, and a request whose lookup found nothing
+        last round mostly finds a draft the next); else all 1 (due a retry) or, per position,
+        the best of its expected survivals over the drafter's sources, at the cheapest of their
+        costs (free with a lookup, a head's round for a head alone)."""
         idle = self.idle.get(slot.request_id, 0)
         asked = self.asked.get(slot.request_id)
-        if idle < RETRY_ROUNDS and asked is not None and self.rounds - asked[1] <= SOURCE_ROUNDS:
-            return self._expected(slot.request_id, asked[0]), self._draft_cost(slot, asked[0])
         cheapest = min(self._draft_cost(slot, source) for source in self.source_names)
+        if idle < RETRY_ROUNDS and asked is not None and self.rounds - asked[1] <= SOURCE_ROUNDS:
+            source = asked[0]
+            if self._draft_cost(slot, source) > cheapest:
+                source = min(self.source_names, key=lambda s: self._draft_cost(slot, s))
+            return self._expected(slot.request_id, source), self._draft_cost(slot, source)
         if idle >= RETRY_ROUNDS:
             return [1.0] * self.k_max, cheapest
         return [max(p) for p in zip(*(self._expected(slot.request_id, s) for s in self.source_names))], cheapest
