@@ -898,8 +898,8 @@ constexpr int kChainsPerDim = 4;  // 16 registers on AVX2, and a Key16 takes two
 // then times scale, whatever else shares the call: a token's scores do not depend on the other
 // queries, blocks or tokens of its call, and a key read alone (a tree node's path, below) scores
 // as in its whole block. A pass holds NQ x NB chains, so each q[j][d] broadcast serves NB blocks
-// and each key row NQ queries: this CPU's loads, not its FMAs, bound a pass with fewer
-// (docs/kernels.md, "Attention").
+// and each key row NQ queries: loads, not FMAs, bounded a pass with fewer on an Ice Lake
+// (docs/kernels.md, "Everything between the matmuls", attend).
 template <int NQ, int NB, typename KvT>
 inline void score_key_blocks(const float* const* q, const KvT* blocks, int64_t D, float scale, float* const* out) {
   Key16 acc[NQ][NB];
