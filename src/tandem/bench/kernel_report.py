@@ -168,6 +168,7 @@ def print_kernel_report(r: KernelReport) -> None:
                   "to fp32 for each product, so this line is not the small-batch reference it is where they exist)")
     eff = f" = {r.extra_row_efficiency * 100:.0f}% of the int8 peak" if r.extra_row_efficiency else ""
     if r.extra_row_efficiency and r.q4_cached_gmac_s:
-        eff += f", {r.extra_row_efficiency * r.int8_peak_gmac_s / r.q4_cached_gmac_s * 100:.0f}% of the q4 GEMM's ceiling"
+        of_ceiling = r.extra_row_efficiency * r.int8_peak_gmac_s / r.q4_cached_gmac_s
+        eff += f", {of_ceiling * 100:.0f}% of the q4 GEMM's ceiling"
     print(f"each extra verified row (n = 1..16): {r.extra_row_ms:.2f} ms for {r.macs_per_row / 1e6:.0f}M "
           f"multiply-adds{eff}")

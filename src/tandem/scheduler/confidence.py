@@ -113,15 +113,14 @@ class ConfidenceScheduler(PricedPolicy):
         costs (free with a lookup, a head's round for a head alone)."""
         idle = self.idle.get(slot.request_id, 0)
         asked = self.asked.get(slot.request_id)
-        cheapest = min(self._draft_cost(slot, source) for source in self.source_names)
+        cost = {source: self._draft_cost(slot, source) for source in self.source_names}
+        cheapest = min(cost, key=cost.get)
         if idle < RETRY_ROUNDS and asked is not None and self.rounds - asked[1] <= SOURCE_ROUNDS:
-            source = asked[0]
-            if self._draft_cost(slot, source) > cheapest:
-                source = min(self.source_names, key=lambda s: self._draft_cost(slot, s))
+            source = asked[0] if self._draft_cost(slot, asked[0]) <= cost[cheapest] else cheapest
             return self._expected(slot.request_id, source), self._draft_cost(slot, source)
         if idle >= RETRY_ROUNDS:
-            return [1.0] * self.k_max, cheapest
-        return [max(p) for p in zip(*(self._expected(slot.request_id, s) for s in self.source_names))], cheapest
+            return [1.0] * self.k_max, cost[cheapest]
+        return [max(p) for p in zip(*(self._expected(slot.request_id, s) for s in self.source_names))], cost[cheapest]
 
     def worth_asking(self, batch: Sequence[DraftSlot]) -> list[bool]:
         """Per request, whether its draft could be admitted: the admission before drafting at

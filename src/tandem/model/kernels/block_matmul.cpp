@@ -340,12 +340,13 @@ void transform_row(const float* src, int64_t K, int transform, const float* w, f
     const __m256 c2 = _mm256_set1_ps(2.f * 0.7978845608028654f), k3 = _mm256_set1_ps(0.044715f);
     int64_t j = 0;
 #if TANDEM_LANES == 16
+    const __m512 c2x = _mm512_set1_ps(2.f * 0.7978845608028654f), k3x = _mm512_set1_ps(0.044715f);
+    const __m512 onex = _mm512_set1_ps(1.f), halfx = _mm512_set1_ps(0.5f), twox = _mm512_set1_ps(2.f);
     for (; j + 16 <= K; j += 16) {
-      const __m512 g = _mm512_loadu_ps(src + j), u = _mm512_loadu_ps(src + K + j), one16 = _mm512_set1_ps(1.f);
-      const __m512 z2 = _mm512_mul_ps(_mm512_set1_ps(2.f * 0.7978845608028654f),
-                                      _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
-      const __m512 t = _mm512_sub_ps(one16, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(exp16(z2), one16)));
-      _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one16, t)), u));
+      const __m512 g = _mm512_loadu_ps(src + j), u = _mm512_loadu_ps(src + K + j);
+      const __m512 z2 = _mm512_mul_ps(c2x, _mm512_fmadd_ps(_mm512_mul_ps(k3x, g), _mm512_mul_ps(g, g), g));
+      const __m512 t = _mm512_sub_ps(onex, _mm512_div_ps(twox, _mm512_add_ps(exp16(z2), onex)));
+      _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(halfx, g), _mm512_add_ps(onex, t)), u));
     }
 #endif
     for (; j < K; j += 8) {
