@@ -183,3 +183,23 @@ def test_the_online_offset_follows_how_the_requests_drafts_fare():
     online.observe("good", 0, 0)  # nothing verified (the scheduler admitted none)
     assert online.offset["good"] == before
     assert shifted(0.3, 1.0) > 0.3 and shifted(1.0, -2.0) == 1.0 and shifted(0.3, 0.0) == 0.3
+
+
+def test_the_native_greedy_chain_equals_the_torch_one(saved_dspark):
+    """On the block kernels a greedy step is one call (bias + backbone logits, argmax, finiteness):
+    the same tokens and confidences as the torch steps, a broken row ending its draft there."""
+    llm = make_llm("dspark", saved_dspark, k=3, lookup=False)
+    drafter = llm.engine.drafter
+    assert drafter.markov_kernels is not None
+    torch.manual_seed(0)
+    vocab = len(drafter.head.draft_ids)
+    state_logits, base = torch.randn(3, 3), 4 * torch.randn(3, 3, vocab)
+    base[1, 1, 5] = float("nan")
+    previous = torch.tensor([0, 7, vocab])  # the last: a token outside the draft vocabulary
+    temperature, offset = drafter.head.calibration(torch.tensor([True, True, True]))
+    budgets = [3, 3, 2]
+    native = drafter._native_argmax_drafts(state_logits, base, budgets, previous.clone(), temperature, offset)
+    reference = drafter._argmax_drafts(state_logits, base, budgets, previous.clone(), temperature, offset)
+    assert [d.token_ids for d in native] == [d.token_ids for d in reference]
+    assert [d.confidence for d in native] == [d.confidence for d in reference]
+    assert [len(d) for d in native] == [3, 1, 2]

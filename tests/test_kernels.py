@@ -80,6 +80,23 @@ def test_linear_argmax_is_numpys_over_the_rows_it_wrote(kind):
     torch.set_num_threads(1)
 
 
+def test_linear_argmax_adds_the_residual_before_its_scan():
+    """With a residual (DSpark's backbone logits under its sequential head's bias), the output is
+    torch's `residual + linear(x)` bit for bit, and the argmax and finiteness are of that sum."""
+    torch.manual_seed(4)
+    layer = BlockQ8Linear.quantize(torch.randn(147, 64))
+    k = block_kernels()
+    x, residual = torch.randn(5, 64), 3 * torch.randn(5, 147)
+    residual[2, 7] = float("inf")
+    y, best, finite = k.linear_argmax(x, layer.blocks(k), residual=residual)
+    expected = residual + k.linear(x, layer.blocks(k))
+    assert torch.equal(y, expected)
+    assert finite.tolist() == [True, True, False, True, True]
+    assert best[finite].tolist() == expected[finite].numpy().argmax(-1).tolist()
+    with pytest.raises(ValueError, match="residual"):
+        k.linear_argmax(x, layer.blocks(k), residual=residual[:, :100])
+
+
 def test_q4_blocks_keep_gguf_affine_groups_exactly():
     torch.manual_seed(2)
     q = torch.randint(0, 16, (16, 64), dtype=torch.uint8)

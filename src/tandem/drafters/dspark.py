@@ -19,6 +19,8 @@ import torch
 
 from tandem.drafters.base import DraftInput, register
 from tandem.drafters.dflash import DFlashDrafter
+from tandem.model.block_linear import BlockQ8Linear
+from tandem.model.kernels import block_kernels
 from tandem.sampling import row_argmax
 from tandem.types import Draft
 
@@ -33,6 +35,19 @@ class DSparkDrafter(DFlashDrafter):
         # target id -> the sequential head's row (the draft index; len(draft_ids) outside it)
         vocab = len(self.head.draft_ids)
         self.markov_row = torch.where(self.to_draft >= 0, self.to_draft, vocab)
+        head, hidden = self.head, self.head.confidence_weight.shape[0] - self.head.rank
+        with torch.no_grad():
+            weight = head.confidence_weight.detach().float()
+            codes = head.markov_in.weight.detach().float()
+            # The confidence logit w . [h ; code] + b as its two halves: the code's half of every
+            # row of the sequential head, computed once, so a draft step looks it up.
+            self.code_confidence = (codes @ weight[hidden:]).contiguous()  # [V' + 1]
+            self.state_confidence = weight[:hidden].contiguous()  # [H]
+            self.codes = codes.contiguous()  # [V' + 1, r]
+        kernels = block_kernels() if self.device.type == "cpu" else None
+        # On the block kernels a greedy step is one native call: the bias of the sequential head
+        # added to the backbone's logits, their argmax and finiteness (kernels.linear_argmax).
+        self.markov_kernels = kernels if isinstance(head.markov_out, BlockQ8Linear) else None
 
     def _drafts(self, inputs: list[DraftInput], states: torch.Tensor, logits: torch.Tensor) -> list[Draft]:
         head = self.head
@@ -44,8 +59,12 @@ class DSparkDrafter(DFlashDrafter):
         greedy = torch.tensor([inp.params.greedy for inp in inputs], device=self.device)
         temperature, offset = head.calibration(greedy)  # [R, S] each
         previous = self.markov_row[anchors]  # [R] the sequential head's row of each request's last token
+        # The states' half of each position's confidence logit (+ the bias), before any token is drawn.
+        state_logits = h[:, : max(budgets, default=0)].float() @ self.state_confidence + head.confidence_bias.float()
         if all(inp.params.greedy and s is None for inp, s in zip(inputs, seen)):
-            return self._argmax_drafts(h, base, budgets, previous, temperature, offset)
+            if self.markov_kernels is not None:
+                return self._native_argmax_drafts(state_logits, base, budgets, previous, temperature, offset)
+            return self._argmax_drafts(state_logits, base, budgets, previous, temperature, offset)
         tokens: list[list[int]] = [[] for _ in inputs]
         qs: list[list[torch.Tensor | None]] = [[] for _ in inputs]
         confidence: list[list[float]] = [[] for _ in inputs]
@@ -55,7 +74,7 @@ class DSparkDrafter(DFlashDrafter):
                 break
             rows = torch.tensor(live, device=self.device)
             code, bias = head.sequential(previous[rows])
-            logit = head.confidence_logit(h[rows, j], code)  # before x_j is drawn
+            logit = state_logits[rows, j] + self.code_confidence[previous[rows]]  # before x_j is drawn
             c = torch.sigmoid(logit / temperature[rows, j] + offset[rows, j]).tolist()
             chosen, q = self.choose([inputs[r] for r in live], [seen[r] for r in live], base[rows, j] + bias.float())
             for n, r in enumerate(live):
@@ -72,7 +91,32 @@ class DSparkDrafter(DFlashDrafter):
             drafts.append(Draft(toks, probs, None, conf) if toks else Draft.empty())
         return drafts
 
-    def _argmax_drafts(self, h: torch.Tensor, base: torch.Tensor, budgets: list[int], previous: torch.Tensor,
+    def _native_argmax_drafts(self, state_logits: torch.Tensor, base: torch.Tensor, budgets: list[int],
+                              previous: torch.Tensor, temperature: torch.Tensor, offset: torch.Tensor) -> list[Draft]:
+        """_argmax_drafts on the block kernels: per step, the codes of the previous tokens, their
+        confidences (looked up) and one native call for bias + logits, argmax and finiteness. The
+        same tokens: the kernel adds the backbone's logits to the bias as torch does."""
+        steps = max(budgets, default=0)
+        if not steps:
+            return [Draft.empty() for _ in budgets]
+        blocks = self.head.markov_out.blocks(self.markov_kernels)
+        by_step = base[:, :steps].float().transpose(0, 1).contiguous()  # [steps, R, V']
+        picked, finite, conf = [], [], []
+        for j in range(steps):
+            logit = state_logits[:, j] + self.code_confidence[previous]  # before x_j is drawn
+            conf.append(torch.sigmoid(logit / temperature[:, j] + offset[:, j]))
+            _, previous, ok = self.markov_kernels.linear_argmax(self.codes[previous], blocks, residual=by_step[j])
+            picked.append(previous)
+            finite.append(ok)
+        ids = self.head.draft_ids[torch.stack(picked, 1)].tolist()  # [R, steps]
+        ok, conf = torch.stack(finite, 1).tolist(), torch.stack(conf, 1).tolist()
+        drafts = []
+        for r, budget in enumerate(budgets):
+            end = next((j for j in range(budget) if not ok[r][j]), budget)  # a broken row ends the draft
+            drafts.append(Draft(ids[r][:end], None, None, conf[r][:end]) if end else Draft.empty())
+        return drafts
+
+    def _argmax_drafts(self, state_logits: torch.Tensor, base: torch.Tensor, budgets: list[int], previous: torch.Tensor,
                        temperature: torch.Tensor, offset: torch.Tensor) -> list[Draft]:
         """_drafts when every request is greedy without a repetition penalty: the same tokens and
         confidences, with the whole batch's positions kept as tensors until the end (one
@@ -81,7 +125,7 @@ class DSparkDrafter(DFlashDrafter):
         picked, sums, conf, rows = [], [], [], []
         for j in range(steps):
             code, bias = head.sequential(previous)
-            logit = head.confidence_logit(h[:, j], code)  # before x_j is drawn
+            logit = state_logits[:, j] + self.code_confidence[previous]  # before x_j is drawn
             conf.append(torch.sigmoid(logit / temperature[:, j] + offset[:, j]))
             logits = base[:, j] + bias.float()
             rows.append(logits)

@@ -161,11 +161,12 @@ class BlockKernels:
         return y
 
     def linear_argmax(self, x: torch.Tensor, w: BlockWeights, *, transform: int = IDENTITY,
-                      norm_weight: torch.Tensor | None = None, eps: float = 0.0
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`linear`, and of each output row its argmax (the first index of the largest value, as
-        numpy's) and whether it is all finite: (y [n, N], argmax [n] int64, finite [n] bool),
-        found by the threads that wrote each row's columns while they are in cache."""
+                      norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`linear` (residual: [n, N], added to the output before the scan), and of each output
+        row its argmax (the first index of the largest value, as numpy's) and whether it is all
+        finite: (y [n, N], argmax [n] int64, finite [n] bool), found by the threads that wrote
+        each row's columns while they are in cache."""
         n, width = x.shape
         expected = 2 * w.in_features if transform in (SWIGLU, GEGLU) else w.in_features
         if width != expected:
@@ -173,8 +174,11 @@ class BlockKernels:
         y = torch.empty(n, w.out_features, dtype=torch.float32)
         best = torch.empty(n, dtype=torch.int64)
         finite = torch.empty(n, dtype=torch.int32)
+        if residual is not None and (residual.shape != y.shape or not residual.is_contiguous()
+                                     or residual.dtype != torch.float32):
+            raise ValueError(f"the residual must be a contiguous float32 [{n}, {w.out_features}] tensor")
         call = LinearCall(ctypes.pointer(w.record), ptr(x), n, width, transform, ptr(norm_weight), eps,
-                           None, ptr(y), torch.get_num_threads())
+                           ptr(residual), ptr(y), torch.get_num_threads())
         self._linear_argmax(ctypes.byref(call), ptr(best), ptr(finite))
         return y, best, finite.bool()
 
