@@ -168,6 +168,23 @@ def test_a_busy_spell_moves_the_level_and_leaves_the_shape():
     assert p.curve(5) / p.curve(1) == pytest.approx(CPU(5) / CPU(1), rel=0.1)
 
 
+def test_neighbouring_large_sizes_share_one_shape():
+    """Rounds of 15 rows read 10% slow and of 16 rows 5% fast (noise): priced alone, the 16th row
+    would cost about nothing; sharing their shape, it costs the profile's row again. Small sizes
+    keep their own shapes."""
+    curve = CostCurve((1, 8, 32), (0.010, 0.020, 0.060))  # rows past 8 cost 1.67 ms
+    p = adaptive(curve, k=6)
+    for _ in range(40):
+        p.observe_round(15, 1.10 * curve(15))
+        p.observe_round(16, 0.95 * curve(16))
+        p.observe_round(1, curve(1))
+        p.observe_round(2, 1.3 * curve(2))
+    row = curve(16) - curve(15)
+    assert p.curve(16) - p.curve(15) == pytest.approx(row * p.curve.level * p.curve._shape(16), rel=1e-6)
+    assert p.curve(16) - p.curve(15) > 0.9 * row
+    assert p.curve(2) / p.curve(1) == pytest.approx(1.3 * curve(2) / curve(1), rel=0.05)
+
+
 def test_prefixes_are_priced_and_taken_off_what_is_learnt():
     """A round over longer prefixes costs more by the profile's per-key costs, and what they
     added is taken off before the live curve learns from it."""

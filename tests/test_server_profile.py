@@ -24,6 +24,23 @@ def test_monotone_takes_the_running_minimum_from_the_right():
     assert monotone({1: 1.0, 2: 2.0, 8: 3.0}) == {1: 1.0, 2: 2.0, 8: 3.0}
 
 
+def test_convex_makes_the_cost_of_a_row_non_decreasing_and_keeps_the_ends():
+    def convex(points):
+        return CostCurve.from_points(points).convex().as_points()
+
+    assert convex({1: 10, 2: 10, 4: 14, 8: 14, 16: 30}) == pytest.approx({1: 10, 2: 10, 4: 34 / 3, 8: 14, 16: 30})
+    assert convex({1: 1.0, 2: 2.0, 8: 9.0}) == {1: 1.0, 2: 2.0, 8: 9.0}  # already convex: unchanged
+    # The Ice Lake profile whose 12 and 16 rows read alike: every row past 4 now costs 1.27 ms.
+    measured = {1: 9.53, 2: 9.91, 3: 10.02, 4: 10.51, 5: 13.39, 6: 13.4, 8: 16.55, 10: 22.61, 12: 25.77, 16: 25.77,
+                24: 38.05}
+    curve = CostCurve.from_points(measured).convex()
+    slopes = [(curve(b) - curve(a)) / (b - a) for a, b in zip(curve.sizes, curve.sizes[1:])]
+    assert all(b >= a - 1e-12 for a, b in zip(slopes, slopes[1:]))
+    assert curve(16) - curve(12) == pytest.approx(4 * 1.272, rel=0.01)
+    assert (curve(1), curve(24)) == (9.53, pytest.approx(38.05))
+    assert all(curve(n) <= measured[n] + 1e-9 or n in (2, 24) for n in measured)
+
+
 def test_measures_once_then_loads(tmp_path, monkeypatch):
     _, loaded = tiny_loaded("llama")
 
@@ -47,6 +64,7 @@ def test_measures_once_then_loads(tmp_path, monkeypatch):
     assert len(calls) == PROFILE_ROUNDS and calls[0] == PROFILE_SIZES
     assert long == [(CONTEXT_SIZES, (CONTEXT_FOR_CURVE, LONG_CONTEXT), CONTEXT_REPEATS)]
     assert curve(2) == pytest.approx(0.010 * 1.25)  # the undisturbed rounds' time
+    assert curve.convex() is curve  # already convex: a row never priced below the rows before it
     assert (curve.context, curve.per_key, curve.per_key_row) == (CONTEXT_FOR_CURVE, pytest.approx(1e-6), pytest.approx(0.5e-6))
     saved = json.loads(path.read_text())
     assert saved["model"] == loaded.name and saved["threads"] == 1 and saved["sizes"] == list(PROFILE_SIZES)

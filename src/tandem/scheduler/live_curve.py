@@ -11,6 +11,13 @@ from tandem.scheduler.cost_model import CostCurve
 MIN_MEASURED = 5
 SHAPE_EMA = 0.05
 LEVEL_EMA = 0.5
+# From SHARED_SHAPE_FROM rows on (where a row is at most an eighth of a round), measured sizes
+# within SHAPE_WINDOW of a size lend it their shapes (a weighted mean). Each size's shape is a
+# noisy average of its own rounds, and a draft row is priced by the difference of two
+# neighbouring sizes: at 15 and 16 rows (about 30 ms a round, 1.6 ms a row on the Ice Lake Xeon)
+# a few percent of noise in each can make a row look nearly free.
+SHARED_SHAPE_FROM = 8
+SHAPE_WINDOW = 1.25
 
 
 class LiveCurve:
@@ -21,9 +28,15 @@ class LiveCurve:
       average over every round whatever its size. Other tenants of a shared CPU come and go, and
       their load slows every size alike.
     - shape[n]: how far size n is from the profile once the level is taken out, a slow moving
-      average per size. A size measured fewer than MIN_MEASURED times takes the shape
-      interpolated linearly between the nearest measured sizes (constant beyond them), 1 before
-      any.
+      average per size. A size measured MIN_MEASURED times is priced at its own shape, and from
+      SHARED_SHAPE_FROM rows on at the mean shape of the sizes so measured within SHAPE_WINDOW
+      of it (weighted by the rounds each average holds, up to 1 / SHAPE_EMA), so that
+      neighbouring sizes share one shape and the price of a row there is the profile's; a size
+      with none that near takes the shape interpolated linearly between the nearest measured
+      sizes (constant beyond them), 1 before any.
+
+    A measured profile comes convex (scheduler/profile.py, CostCurve.convex): past its knee a
+    row is never priced free.
 
     So a busy spell moves the level, not the shape: a size last measured during one is not
     priced high for good after the load has gone (per-size averages alone did that, and the
@@ -41,6 +54,7 @@ class LiveCurve:
         self.shape: dict[int, float] = {}
         self.count: dict[int, int] = {}
         self._trusted: list[int] = []  # sorted sizes with >= MIN_MEASURED rounds
+        self._priced: dict[int, float] = {}  # size -> its shape as priced, until the next round
 
     def observe(self, tokens: int, seconds: float, context_seconds: float = 0.0) -> None:
         """A round over `tokens` rows took `seconds`, of which `context_seconds` came from its
@@ -60,13 +74,25 @@ class LiveCurve:
         self.count[tokens] = n + 1
         if n + 1 == MIN_MEASURED:
             bisect.insort(self._trusted, tokens)
+        self._priced.clear()
 
     def _shape(self, tokens: int) -> float:
-        if self.count.get(tokens, 0) >= MIN_MEASURED:
-            return self.shape[tokens]
+        shape = self._priced.get(tokens)
+        if shape is None:
+            shape = self._priced[tokens] = self._window_shape(tokens)
+        return shape
+
+    def _window_shape(self, tokens: int) -> float:
         t = self._trusted
         if not t:
             return 1.0
+        if tokens < SHARED_SHAPE_FROM:
+            near = [tokens] if self.count.get(tokens, 0) >= MIN_MEASURED else []
+        else:
+            near = t[bisect.bisect_left(t, tokens / SHAPE_WINDOW) : bisect.bisect_right(t, tokens * SHAPE_WINDOW)]
+        if near:
+            weights = [min(self.count[size], 1.0 / SHAPE_EMA) for size in near]
+            return sum(w * self.shape[size] for w, size in zip(weights, near)) / sum(weights)
         i = bisect.bisect_left(t, tokens)
         lo, hi = t[max(0, i - 1)], t[min(i, len(t) - 1)]
         if lo == hi:  # below the smallest or above the largest measured size

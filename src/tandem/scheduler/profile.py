@@ -93,7 +93,7 @@ def cost_curve_for(
     """The saved profile at `path` (default: the cache), or measure it now and save it there."""
     target = Path(path) if path else default_profile_path(loaded, device, threads)
     if target.exists() and not remeasure:
-        curve = load_profile(target)
+        curve = load_profile(target).convex()  # profiles saved before the curves were made convex
         log.info("forward cost curve from %s", target)
         return curve
     # Rounds over every size, keeping each size's fastest time: on a shared CPU other tenants only
@@ -102,7 +102,8 @@ def cost_curve_for(
     for _ in tqdm(range(PROFILE_ROUNDS), desc="profiling forward cost (once per model/threads)", unit="round"):
         for n, seconds in forward_cost_curve(loaded, repeats=1, sizes=PROFILE_SIZES).items():
             points[n] = min(seconds, points.get(n, seconds))
-    curve = CostCurve.from_points(points).monotone()
+    # A row never costs less than the rows before it (a scheduler prices rows by differences).
+    curve = CostCurve.from_points(points).monotone().convex()
     # The same sizes at a longer prefix: what each key a row reads adds (CostCurve.context_seconds).
     long_context = min(LONG_CONTEXT, loaded.config.max_position_embeddings - max(CONTEXT_SIZES) - 1)
     if long_context >= CONTEXT_FOR_CURVE + MIN_EXTRA_KEYS:
