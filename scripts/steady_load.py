@@ -1,8 +1,8 @@
 """A server's steady load in one process: B requests always in flight, a new one started as soon
 as one ends, and where each round's time goes, for plain decoding and speculative modes in turn.
 
-Each repetition decodes --requests Spec-Bench prompts not decoded before (from the subtasks the
-scheduler benchmarks use), greedy, --max-tokens each, through `Engine.add_request` / `step` as
+Each repetition decodes --requests Spec-Bench prompts not decoded before (round-robin over the
+subtasks the scheduler benchmarks use, as `tandem bench serve` takes them), greedy, --max-tokens each, through `Engine.add_request` / `step` as
 the server's engine thread does, and prints the wall time, the rounds and the engine's phases in
 ms per round. For the confidence scheduler it also counts how many requests were asked for a
 draft's source (`worth_asking`) and how many drafted.
@@ -17,19 +17,19 @@ run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from tandem.bench.prompts import spread_prompts
 from tandem.config import SamplingParams
 from tandem.engine.engine import Engine
 from tandem.llm import LLM
 from tandem.model.kernels import cpu_name, kernel_description
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_phases import QUESTIONS, timed
+from engine_phases import timed
 
 PHASES = ("_decode_round", "_verify_forward", "_propose", "_draft_sources", "_commit_round", "_learn", "_prefill")
 CATEGORIES = ("multi_turn", "qa", "translation", "math_reasoning")
@@ -65,8 +65,9 @@ def main() -> None:
     seconds, calls = defaultdict(float), Counter()
     for name in PHASES:
         timed(seconds, calls, name)
-    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()]
-    questions = [q for q in questions if q["category"] in CATEGORIES][: args.requests * args.repeats]
+    # The prompts `tandem bench serve` sends: round-robin over these subtasks (the MT-Bench ones are
+    # multi_turn there), so both measure the same mix.
+    questions = [p.text for p in spread_prompts(10**6) if p.category in CATEGORIES][: args.requests * args.repeats]
     if len(questions) < args.requests * args.repeats:
         raise SystemExit(f"only {len(questions)} prompts: ask for fewer --requests or --repeats")
     llms, asking = {}, {}
@@ -80,7 +81,7 @@ def main() -> None:
                 key, _, value = option.partition("=")
                 spec[f"speculative_{key}"] = value == "1"
         llms[mode] = LLM(max_num_seqs=max(32, args.batch), threads=args.threads, **spec)
-        llms[mode].generate(questions[0]["turns"][0], SamplingParams(temperature=0, max_tokens=16), chat=True)
+        llms[mode].generate(questions[0], SamplingParams(temperature=0, max_tokens=16), chat=True)
         asking[mode] = Counter()
         if getattr(llms[mode].engine.policy, "prices_sources", False):
             count_asking(llms[mode], asking[mode])
@@ -91,7 +92,7 @@ def main() -> None:
         batch_prompts = questions[rep * args.requests : (rep + 1) * args.requests]
         for mode in args.modes:
             engine: Engine = llms[mode].engine
-            prompts = [llms[mode].encode(q["turns"][0], chat=True) for q in batch_prompts]
+            prompts = [llms[mode].encode(text, chat=True) for text in batch_prompts]
             seconds.clear()
             calls.clear()
             asking[mode].clear()
