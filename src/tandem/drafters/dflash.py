@@ -146,10 +146,13 @@ class DFlashDrafter(HeadDrafter):
         first = 0 if self.anchor_drafts else 1  # the first row whose logits give a draft token
         if self.natives is not None:  # every row sees the whole context and the whole block
             drafting = (torch.arange(len(inputs)).unsqueeze(1) * S + torch.arange(first, S)).flatten()
+            # The layers' caches hold the same positions: one placement of the block for all.
+            placed = NativeBlock.place(positions.reshape(-1), [S] * len(inputs), [ctx[0] for ctx in contexts],
+                                       whole=True)
             for li, native in enumerate(self.natives):
                 last = li == len(self.natives) - 1
                 x, logits = native.step(x, x, positions, [ctx[li] for ctx in contexts], keep=False, whole=True,
-                                        logits=drafting if last else None)
+                                        logits=drafting if last else None, placed=placed)
             return x, (head.head_logits(x[:, first:]) if logits is None else logits.reshape(len(inputs), S - first, -1))
         for li, layer in enumerate(head.draft_layers):
             blk = layer.block
@@ -187,9 +190,10 @@ class DFlashDrafter(HeadDrafter):
                   for layer in layers}
         if self.natives is not None:  # only the rows' keys and values are needed; the norm is fused
             projected = self.head.context_projection(hidden)[0]  # [N, H]
+            placed = NativeBlock.place(positions, counts, [ctx[0] for ctx in contexts])  # the same for every layer
             for li, native in enumerate(self.natives):
                 native.write_keys(projected, positions, counts, [ctx[li] for ctx in contexts],
-                                  norm=self.head.context_norm)
+                                  norm=self.head.context_norm, placed=placed)
             return contexts
         features = self.head.context(hidden)  # [1, N, H]
         start = 0

@@ -111,7 +111,8 @@ class NativeBlock:
 
     def step(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, caches: list[RowCache],
              masks: list | None = None, keep: bool = True, gap: int = 1, whole: bool = False,
-             logits: str | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             logits: str | torch.Tensor | None = None,
+             placed: DraftRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """DraftBlock.step: R requests, t new rows each; x [R, t, H], attn_in [R, t, Din] (before
         the input norms), positions [R, t]. The rows' keys are written to each cache after its
         `length` slots; keep=False leaves `length` as it was (the slots are scratch: a draft
@@ -123,27 +124,51 @@ class NativeBlock:
 
         Returns the output [R, t, H] and, with a vocab and logits "all", "last" or row indices
         into the flat [R * t] rows, the logits of every row [R * t, V'], of each request's last
-        row [R, V'] or of the rows named (else None)."""
+        row [R, V'] or of the rows named (else None). placed: the rows' placement (`place`) when
+        another layer's caches, at the same lengths and positions, already gave it."""
         R, t, H = x.shape
         out, out_logits = self.rows(x.reshape(R * t, H), attn_in.reshape(R * t, -1), positions.reshape(-1), [t] * R,
-                                    caches, masks, keep, gap, whole, logits)
+                                    caches, masks, keep, gap, whole, logits, placed)
         return out.reshape(R, t, H), out_logits
 
     def rows(self, x: torch.Tensor, attn_in: torch.Tensor, positions: torch.Tensor, counts: list[int],
              caches: list[RowCache], masks: list | None = None, keep: bool = True, gap: int = 1,
-             whole: bool = False, logits: str | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             whole: bool = False, logits: str | torch.Tensor | None = None,
+             placed: DraftRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`step` over flat rows, request r's counts[r] rows after request r - 1's (ragged:
         several requests' catch-ups in one call): x [N, H], attn_in [N, Din], positions [N].
         Returns the output [N, H] and the logits `step` describes (indices into these N rows)."""
         out = x.float().contiguous().clone()
         rows_in = attn_in.float().contiguous()
         layer = self._tables(int(positions.max()) + 1)
+        if placed is None:
+            placed = self.place(positions, counts, caches, masks, gap, whole)
+        for cache, t in zip(caches, counts):
+            cache.reserve(t)
+        logit_rows = logits
+        if isinstance(logits, str) and logits == "last":
+            logit_rows = torch.tensor(counts, dtype=torch.int64).cumsum(0) - 1
+        out_logits = self.kernels.draft_layer(layer, out, rows_in, placed, [(c.k, c.v) for c in caches], logit_rows)
+        start = 0
+        for cache, t in zip(caches, counts):
+            cache.positions[cache.length : cache.length + t] = positions[start : start + t]
+            if keep:
+                cache.length += t
+            start += t
+        return out, out_logits
+
+    @staticmethod
+    def place(positions: torch.Tensor, counts: list[int], caches: list[RowCache], masks: list | None = None,
+              gap: int = 1, whole: bool = False) -> DraftRows:
+        """Where `rows` puts request r's counts[r] rows at `positions` [N] (the slots after each
+        cache's `length`) and which keys each reads (masks, gap, whole as in `step`). A function of
+        the caches' lengths and positions only: a head's layers, whose caches advance together,
+        share one placement per step."""
         pos = positions.to(torch.int64).cpu().contiguous()
         seq, slot, keys = [], [], []
         start = 0
         for r, (cache, t) in enumerate(zip(caches, counts)):
             own = positions[start : start + t]
-            cache.reserve(t)
             seq.extend([r] * t)
             slot.extend(range(cache.length, cache.length + t))
             if whole:
@@ -157,18 +182,7 @@ class NativeBlock:
                 keys.append(None)
             start += t
         tree = None if all(k is None for k in keys) else _joined(keys, pos, slot, counts)
-        placed = DraftRows(torch.tensor(seq, dtype=torch.int64), torch.tensor(slot, dtype=torch.int64), pos, tree)
-        logit_rows = logits
-        if isinstance(logits, str) and logits == "last":
-            logit_rows = torch.tensor(counts, dtype=torch.int64).cumsum(0) - 1
-        out_logits = self.kernels.draft_layer(layer, out, rows_in, placed, [(c.k, c.v) for c in caches], logit_rows)
-        start = 0
-        for cache, t in zip(caches, counts):
-            cache.positions[cache.length : cache.length + t] = positions[start : start + t]
-            if keep:
-                cache.length += t
-            start += t
-        return out, out_logits
+        return DraftRows(torch.tensor(seq, dtype=torch.int64), torch.tensor(slot, dtype=torch.int64), pos, tree)
 
     def chain(self, feat: torch.Tensor, logits: torch.Tensor, caches: list[RowCache], positions: list[int],
               budgets: list[int], vocab_ids: torch.Tensor | None, embed: torch.Tensor,
@@ -214,12 +228,12 @@ class NativeBlock:
                                        float(embed_scale))
 
     def write_keys(self, attn_in: torch.Tensor, positions: torch.Tensor, counts: list[int], caches: list[RowCache],
-                   norm: torch.nn.RMSNorm | None = None) -> None:
+                   norm: torch.nn.RMSNorm | None = None, placed: DraftRows | None = None) -> None:
         """Append the keys and values of rows attn_in [N, Din] at positions [N] to the caches,
         request r's counts[r] rows after request r - 1's, causally, without the rest of the layer
         (context rows whose outputs nobody reads): one qkv projection and one attention call for
         all requests. Their input goes to the qkv projection through `norm` (fused), not the
-        input norms."""
+        input norms. placed: `place(positions, counts, caches)`, when another layer gave it."""
         k, blk = self.kernels, self.block
         rows = attn_in.float().contiguous()
         if norm is None:
@@ -228,19 +242,10 @@ class NativeBlock:
             weight, eps = _norm_parts(norm)
             qkv = k.linear(rows, self.qkv, transform=RMS_NORM, norm_weight=weight, eps=eps)
         self._tables(int(positions.max()) + 1)
-        seq, slot, keys, start = [], [], [], 0
-        for r, (cache, t) in enumerate(zip(caches, counts)):
-            own = positions[start : start + t].to(torch.int64).cpu()
+        if placed is None:
+            placed = self.place(positions, counts, caches)
+        for cache, t in zip(caches, counts):
             cache.reserve(t)
-            slots = torch.arange(cache.length, cache.length + t, dtype=torch.int64)
-            keys.append(None if _after_cache(cache, own) else
-                        _positional_keys(torch.cat([cache.positions[: cache.length].cpu(), own]), slots, 1))
-            seq.extend([r] * t)
-            slot.extend(range(cache.length, cache.length + t))
-            start += t
-        pos = positions.to(torch.int64).cpu().contiguous()
-        tree = None if all(key is None for key in keys) else _joined(keys, pos, slot, counts)
-        placed = DraftRows(torch.tensor(seq, dtype=torch.int64), torch.tensor(slot, dtype=torch.int64), pos, tree)
         k.attend_own_caches(qkv, placed, self.cos, self.sin, [(c.k, c.v) for c in caches], blk.heads, blk.kv_heads,
                             blk.scale)
         start = 0
