@@ -386,3 +386,22 @@ def test_training_resumes_bit_for_bit(tmp_path):
     assert run(resumed, p, data, None, cfg, tmp_path / "part", resume=True).step == 6
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_greedy_choice_ends_a_draft_only_at_a_broken_row(saved):
+    """A greedy row's token is its argmax in target ids; a row holding a NaN or an infinity gives
+    -1 (the draft ends there), a row of finite values whose sum overflows does not."""
+    llm = make_llm("dflash", saved("dflash"), k=3, lookup=False)
+    drafter = llm.engine.drafter
+    V = len(drafter.head.draft_ids)
+    logits = torch.randn(4, V)
+    logits[0, 7] = 50.0
+    logits[1, 3] = float("nan")
+    logits[2, 9] = float("-inf")
+    logits[3] = torch.full((V,), 3e38)  # finite, though its sum is not
+    logits[3, 11] = 3.3e38
+    inp = DraftInput("r", [1, 2, 3], 3, 3, SamplingParams(temperature=0), torch.Generator(), {})
+    tokens, qs = drafter.choose([inp] * 4, [None] * 4, logits)
+    ids = drafter.head.draft_ids
+    assert tokens == [int(ids[7]), -1, -1, int(ids[11])]
+    assert qs == [None] * 4
