@@ -314,6 +314,7 @@ def test_a_chain_takes_long_lookup_drafts_and_the_head_catches_up_after(variant,
             assert draft.token_ids == lookup
             pieces = drafter.lookup.pending[inp.request_id][0]
             waiting = sum(len(next(iter(piece.values()))) for piece in pieces)
+            assert drafter.lookup.waiting_rows(inp.request_id) == waiting  # what the policy prices
             sources.append("lookup" if len(pieces) == 1 else "lookup after lookup")
         else:
             waiting = 0

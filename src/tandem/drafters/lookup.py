@@ -46,9 +46,9 @@ class LookupFirst:
         self.suffix = SuffixDrafter(dataclasses.replace(spec, algorithm="suffix", eagle_topk=1, draft_model_path=None),
                                     target)
         self.layers = layers  # the hidden layers the head reads
-        # request -> (hidden rows of the lookup rounds since the head last drafted, as pieces;
-        # the position after the last of them)
-        self.pending: dict[str, tuple[list[dict[int, torch.Tensor]], int]] = {}
+        # request -> (hidden rows of the lookup rounds since the head last drafted, as pieces; the
+        # position of the first of them; the position after the last)
+        self.pending: dict[str, tuple[list[dict[int, torch.Tensor]], int, int]] = {}
         # request -> ((context length, budget), draft) from `peek`, for this round's `propose`
         self.peeked: dict[str, tuple[tuple[int, int], Draft]] = {}
 
@@ -94,13 +94,13 @@ class LookupFirst:
 
     def waiting_rows(self, request_id: str) -> int:
         """Hidden rows of the request's lookup rounds that its head would catch up on first."""
-        pieces, _ = self.pending.get(request_id, ([], None))
-        return sum(p[self.layers[0]].shape[0] for p in pieces)
+        pieces, start, end = self.pending.get(request_id, ([], 0, 0))
+        return end - start if pieces else 0  # the pieces are contiguous
 
     def with_pending(self, inp: DraftInput) -> DraftInput:
         """inp with the rows waiting from earlier lookup rounds put before its own, when they end
         where its own begin."""
-        pieces, end = self.pending.pop(inp.request_id, ([], None))
+        pieces, _, end = self.pending.pop(inp.request_id, ([], None, None))
         if not pieces or end != self._rows_start(inp):
             return inp
         return dataclasses.replace(inp, hidden={layer: torch.cat([p[layer] for p in pieces] + [inp.hidden[layer]])
@@ -113,8 +113,8 @@ class LookupFirst:
     def _defer(self, inp: DraftInput) -> None:
         """Keep the request's new hidden rows for the next round the head drafts in (as pieces,
         joined once then; rows that do not follow the waiting ones replace them)."""
-        pieces, end = self.pending.get(inp.request_id, ([], None))
+        pieces, start, end = self.pending.get(inp.request_id, ([], None, None))
         if end != self._rows_start(inp):
-            pieces = []
+            pieces, start = [], self._rows_start(inp)
         pieces.append({layer: inp.hidden[layer] for layer in self.layers})
-        self.pending[inp.request_id] = (pieces, len(inp.token_ids) - 1)
+        self.pending[inp.request_id] = (pieces, start, len(inp.token_ids) - 1)
