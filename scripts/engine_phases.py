@@ -89,8 +89,8 @@ def main() -> None:
           f"{', behind the lookup' if args.lookup else ''}) at temperature {args.temperature}, top-p {args.top_p}, "
           f"top-k {args.top_k}")
     print(f"{tokens / elapsed:.1f} tok/s, {rounds} rounds (batch {args.batch}), "
-          f"tokens per round {tokens / rounds:.2f}; this thread's CPU time {cpu / tokens * 1e3:.3f} ms a token (with --threads 1, all the work's: steadier "
-          "than the wall clock on a shared host)")
+          f"tokens per round {tokens / rounds:.2f}; this thread's CPU time {cpu / tokens * 1e3:.3f} ms a token "
+          "(with --threads 1, all the work's: steadier than the wall clock on a shared host)")
     for name in phases:
         print(f"  {name:16s} {seconds[name] / rounds * 1e3:.3f} ms a round")
 

@@ -4,8 +4,9 @@ as one ends, and where each round's time goes, for plain decoding and speculativ
 Each repetition decodes --requests Spec-Bench prompts not decoded before (round-robin over the
 subtasks the scheduler benchmarks use, as `tandem bench serve` takes them), greedy, --max-tokens
 each, through `Engine.add_request` / `step` as the server's engine thread does, and prints the
-wall time, the rounds and the engine's phases in ms per round. For the confidence scheduler it also counts how many requests were asked for a
-draft's source (`worth_asking`) and how many drafted.
+wall time, the rounds and the engine's phases in ms per round. For the confidence scheduler it
+also counts how many requests were asked for a draft's source (`worth_asking`) and how many
+drafted.
 
     .venv/bin/python scripts/steady_load.py --batch 8 --threads 1 off confidence:dspark
 

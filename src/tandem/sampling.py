@@ -92,6 +92,15 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
 
 
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """all_finite for each row of x [R, V] at once: [R] bool (the elementwise check only where a
+    row's sum is not finite)."""
+    finite = torch.isfinite(x.sum(-1))
+    if not bool(finite.all()):
+        finite |= torch.isfinite(x).all(-1)
+    return finite
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL-style penalty on tokens already present: positive logits divided, negative multiplied."""
     if penalty == 1.0 or seen_ids.numel() == 0:

@@ -21,7 +21,7 @@ from tandem.drafters.base import DraftInput, register
 from tandem.drafters.dflash import DFlashDrafter
 from tandem.model.block_linear import BlockQ8Linear
 from tandem.model.kernels import block_kernels
-from tandem.sampling import row_argmax
+from tandem.sampling import finite_rows, row_argmax
 from tandem.types import Draft
 
 
@@ -36,14 +36,13 @@ class DSparkDrafter(DFlashDrafter):
         vocab = len(self.head.draft_ids)
         self.markov_row = torch.where(self.to_draft >= 0, self.to_draft, vocab)
         head, hidden = self.head, self.head.confidence_weight.shape[0] - self.head.rank
-        with torch.no_grad():
-            weight = head.confidence_weight.detach().float()
-            codes = head.markov_in.weight.detach().float()
-            # The confidence logit w . [h ; code] + b as its two halves: the code's half of every
-            # row of the sequential head, computed once, so a draft step looks it up.
-            self.code_confidence = (codes @ weight[hidden:]).contiguous()  # [V' + 1]
-            self.state_confidence = weight[:hidden].contiguous()  # [H]
-            self.codes = codes.contiguous()  # [V' + 1, r]
+        weight = head.confidence_weight.detach().float()
+        codes = head.markov_in.weight.detach().float()
+        # The confidence logit w . [h ; code] + b as its two halves: the code's half of every row
+        # of the sequential head, computed once, so a draft step looks it up.
+        self.code_confidence = (codes @ weight[hidden:]).contiguous()  # [V' + 1]
+        self.state_confidence = weight[:hidden].contiguous()  # [H]
+        self.codes = codes.contiguous()  # [V' + 1, r]
         kernels = block_kernels() if self.device.type == "cpu" else None
         # On the block kernels a greedy step is one native call: the bias of the sequential head
         # added to the backbone's logits, their argmax and finiteness (kernels.linear_argmax).
@@ -73,9 +72,8 @@ class DSparkDrafter(DFlashDrafter):
             if not live:
                 break
             rows = torch.tensor(live, device=self.device)
-            code, bias = head.sequential(previous[rows])
-            logit = state_logits[rows, j] + self.code_confidence[previous[rows]]  # before x_j is drawn
-            c = torch.sigmoid(logit / temperature[rows, j] + offset[rows, j]).tolist()
+            bias = head.sequential(previous[rows])[1]
+            c = self._confidence(state_logits[rows], previous[rows], temperature[rows], offset[rows], j).tolist()
             chosen, q = self.choose([inputs[r] for r in live], [seen[r] for r in live], base[rows, j] + bias.float())
             for n, r in enumerate(live):
                 if chosen[n] < 0:  # a broken row ends this draft; the target decides alone
@@ -97,48 +95,46 @@ class DSparkDrafter(DFlashDrafter):
         confidences (looked up) and one native call for bias + logits, argmax and finiteness. The
         same tokens: the kernel adds the backbone's logits to the bias as torch does."""
         steps = max(budgets, default=0)
-        if not steps:
-            return [Draft.empty() for _ in budgets]
         blocks = self.head.markov_out.blocks(self.markov_kernels)
         by_step = base[:, :steps].float().transpose(0, 1).contiguous()  # [steps, R, V']
         picked, finite, conf = [], [], []
         for j in range(steps):
-            logit = state_logits[:, j] + self.code_confidence[previous]  # before x_j is drawn
-            conf.append(torch.sigmoid(logit / temperature[:, j] + offset[:, j]))
+            conf.append(self._confidence(state_logits, previous, temperature, offset, j))  # before x_j is drawn
             _, previous, ok = self.markov_kernels.linear_argmax(self.codes[previous], blocks, residual=by_step[j])
             picked.append(previous)
             finite.append(ok)
-        ids = self.head.draft_ids[torch.stack(picked, 1)].tolist()  # [R, steps]
-        ok, conf = torch.stack(finite, 1).tolist(), torch.stack(conf, 1).tolist()
-        drafts = []
-        for r, budget in enumerate(budgets):
-            end = next((j for j in range(budget) if not ok[r][j]), budget)  # a broken row ends the draft
-            drafts.append(Draft(ids[r][:end], None, None, conf[r][:end]) if end else Draft.empty())
-        return drafts
+        return self._chains(picked, finite, conf, budgets)
 
     def _argmax_drafts(self, state_logits: torch.Tensor, base: torch.Tensor, budgets: list[int], previous: torch.Tensor,
                        temperature: torch.Tensor, offset: torch.Tensor) -> list[Draft]:
         """_drafts when every request is greedy without a repetition penalty: the same tokens and
         confidences, with the whole batch's positions kept as tensors until the end (one
         conversion instead of several per position; this loop is most of a round's cost)."""
-        head, steps = self.head, max(budgets, default=0)
-        picked, sums, conf, rows = [], [], [], []
-        for j in range(steps):
-            code, bias = head.sequential(previous)
-            logit = state_logits[:, j] + self.code_confidence[previous]  # before x_j is drawn
-            conf.append(torch.sigmoid(logit / temperature[:, j] + offset[:, j]))
-            logits = base[:, j] + bias.float()
-            rows.append(logits)
-            sums.append(logits.sum(-1))  # finite exactly when the row is, unless it overflows
+        picked, finite, conf = [], [], []
+        for j in range(max(budgets, default=0)):
+            conf.append(self._confidence(state_logits, previous, temperature, offset, j))  # before x_j is drawn
+            logits = base[:, j] + self.head.sequential(previous)[1].float()
             previous = row_argmax(logits)  # a draft index: its own row of the sequential head
             picked.append(previous)
-        if not steps:
+            finite.append(finite_rows(logits))
+        return self._chains(picked, finite, conf, budgets)
+
+    def _confidence(self, state_logits: torch.Tensor, previous: torch.Tensor, temperature: torch.Tensor,
+                    offset: torch.Tensor, j: int) -> torch.Tensor:
+        """Position j's calibrated confidences [R], from its states' half of the logit and the
+        previous tokens' half (the table)."""
+        return torch.sigmoid((state_logits[:, j] + self.code_confidence[previous]) / temperature[:, j] + offset[:, j])
+
+    def _chains(self, picked: list[torch.Tensor], finite: list[torch.Tensor], conf: list[torch.Tensor],
+                budgets: list[int]) -> list[Draft]:
+        """The greedy drafts from each step's draft indices, finiteness and confidences ([R] each):
+        request r's first budgets[r] tokens, ended before its first broken row."""
+        if not picked:
             return [Draft.empty() for _ in budgets]
-        ids = head.draft_ids[torch.stack(picked, 1)].tolist()  # [R, steps]
-        ok, conf = torch.isfinite(torch.stack(sums, 1)).tolist(), torch.stack(conf, 1).tolist()
+        ids = self.head.draft_ids[torch.stack(picked, 1)].tolist()  # [R, steps]
+        ok, conf = torch.stack(finite, 1).tolist(), torch.stack(conf, 1).tolist()
         drafts = []
         for r, budget in enumerate(budgets):
-            # A broken row (NaN or inf logits) ends the draft; a sum that only overflowed does not.
-            end = next((j for j in range(budget) if not (ok[r][j] or bool(torch.isfinite(rows[j][r]).all()))), budget)
+            end = next((j for j in range(budget) if not ok[r][j]), budget)
             drafts.append(Draft(ids[r][:end], None, None, conf[r][:end]) if end else Draft.empty())
         return drafts

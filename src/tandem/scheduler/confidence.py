@@ -116,8 +116,10 @@ class ConfidenceScheduler(PricedPolicy):
         cost = {source: self._draft_cost(slot, source) for source in self.source_names}
         cheapest = min(cost, key=cost.get)
         if idle < RETRY_ROUNDS and asked is not None and self.rounds - asked[1] <= SOURCE_ROUNDS:
-            source = asked[0] if self._draft_cost(slot, asked[0]) <= cost[cheapest] else cheapest
-            return self._expected(slot.request_id, source), self._draft_cost(slot, source)
+            mine = self._draft_cost(slot, asked[0])
+            if mine <= cost[cheapest]:
+                return self._expected(slot.request_id, asked[0]), mine
+            return self._expected(slot.request_id, cheapest), cost[cheapest]
         if idle >= RETRY_ROUNDS:
             return [1.0] * self.k_max, cost[cheapest]
         return [max(p) for p in zip(*(self._expected(slot.request_id, s) for s in self.source_names))], cost[cheapest]

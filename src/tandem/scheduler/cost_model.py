@@ -105,16 +105,17 @@ class CostCurve:
         slopes = [(tb - ta) / (b - a) for (a, ta), (b, tb) in zip(points, points[1:])]
         if all(x <= y + 1e-9 * abs(y) + 1e-15 for x, y in zip(slopes, slopes[1:])):
             return self  # already convex (to rounding): the very same times
-        pools: list[list[float]] = []  # [slope, rows spanned]
-        for (a, _), (b, _), slope in zip(points, points[1:], slopes):
-            pools.append([slope, float(b - a)])
+        widths = [b - a for a, b in zip(self.sizes, self.sizes[1:])]
+        pools: list[tuple[float, int, int]] = []  # (slope, rows spanned, measured spans pooled)
+        for slope, width in zip(slopes, widths):
+            pools.append((slope, width, 1))
             while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
-                (s2, w2), (s1, w1) = pools.pop(), pools.pop()
-                pools.append([(s1 * w1 + s2 * w2) / (w1 + w2), w1 + w2])
-        per_row = [slope for slope, rows in pools for _ in range(int(rows))]  # from the first size on
+                (s2, w2, n2), (s1, w1, n1) = pools.pop(), pools.pop()
+                pools.append(((s1 * w1 + s2 * w2) / (w1 + w2), w1 + w2, n1 + n2))
+        pooled = [slope for slope, _, spans in pools for _ in range(spans)]  # each measured span's
         seconds, t = [self.seconds[0]], self.seconds[0]
-        for a, b in zip(self.sizes, self.sizes[1:]):
-            t += sum(per_row[a - self.sizes[0] : b - self.sizes[0]])
+        for slope, width in zip(pooled, widths):
+            t += slope * width
             seconds.append(t)
         return dataclasses.replace(self, seconds=tuple(seconds))
 

@@ -16,7 +16,7 @@ from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
 from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir
 from tandem.model.block_linear import BLOCK, BlockQ8Linear
 from tandem.model.kernels import block_kernels
-from tandem.sampling import NonFiniteLogitsError, row_argmax, sample_processed
+from tandem.sampling import NonFiniteLogitsError, finite_rows, row_argmax, sample_processed
 from tandem.types import Draft
 
 
@@ -92,11 +92,7 @@ class HeadDrafter(Drafter):
         plain = [r for r, inp in enumerate(inputs) if inp.params.greedy and seen[r] is None]
         if plain:
             rows = logits[plain]
-            # sampling.all_finite per row, all rows at once: a finite sum, else every element finite.
-            finite = torch.isfinite(rows.sum(-1))
-            if not bool(finite.all()):
-                finite |= torch.isfinite(rows).all(-1)
-            for r, token, ok in zip(plain, row_argmax(rows).tolist(), finite.tolist()):
+            for r, token, ok in zip(plain, row_argmax(rows).tolist(), finite_rows(rows).tolist()):
                 tokens[r] = token if ok else -1
         for r, inp in enumerate(inputs):
             if r in plain:
@@ -108,8 +104,8 @@ class HeadDrafter(Drafter):
             if not inp.params.greedy:
                 qs[r] = q[0]
         if self.draft_ids is not None:
-            mapped = self.draft_ids[torch.tensor([max(t, 0) for t in tokens], dtype=torch.long, device=self.draft_ids.device)]
-            tokens = [m if t >= 0 else -1 for t, m in zip(tokens, mapped.tolist())]
+            index = torch.tensor([max(t, 0) for t in tokens], dtype=torch.long, device=self.draft_ids.device)
+            tokens = [m if t >= 0 else -1 for t, m in zip(tokens, self.draft_ids[index].tolist())]
         return tokens, qs
 
 
