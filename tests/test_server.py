@@ -602,3 +602,20 @@ def test_tree_launch_flags_reach_the_spec_config():
     assert (spec.algorithm, spec.num_draft_tokens, spec.eagle_topk, spec.num_steps) == ("eagle3", 16, 4, 6)
     assert spec.tree and not spec.lookup and spec.max_draft_len == 6
     assert configs_from_args(parser.parse_args([]))[0].spec.lookup
+
+
+def test_an_event_whose_text_holds_unicode_line_separators_stays_one_line():
+    """U+2028, U+2029 and NEL are valid raw in JSON, but line readers such as httpx's split on
+    them: every event goes out on one line, and decodes to the same text."""
+    from httpx._decoders import LineDecoder
+
+    from tandem.server.answers import sse
+    from tandem.server.responses import ChatCompletionChunk
+
+    text = "a\u2028b\x85c\u2029d \u00e9"
+    chunk = ChatCompletionChunk(id="x", model="m", choices=[{"index": 0, "delta": {"content": text}}])
+    for event in (sse(json.dumps({"text": text}, ensure_ascii=False)), sse(chunk)):
+        lines = [line for line in LineDecoder().decode(event) if line]
+        assert len(lines) == 1 and lines[0].startswith("data: {")
+        decoded = json.loads(lines[0][6:])
+        assert (decoded.get("text") or decoded["choices"][0]["delta"]["content"]) == text

@@ -39,9 +39,17 @@ from tandem.types import SpecStats
 DISCONNECT_POLL_S = 0.25
 
 
+# Characters a JSON string may hold raw but that str.splitlines (and so httpx's aiter_lines, which
+# many SSE clients read with) takes for line ends: a sampled token holding one cut its event in two
+# there, and the client failed to parse either half (seen once in `tandem bench soak`). Escaped,
+# the event is one line for every reader and decodes to the same text.
+LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload) -> str:
+    """One server-sent event: `data: ` and the payload's JSON (or the string as it is), on one line."""
     data = payload if isinstance(payload, str) else payload.model_dump_json()
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(LINE_BREAKING)}\n\n"
 
 
 @dataclass
