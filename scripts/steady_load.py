@@ -4,9 +4,9 @@ as one ends, and where each round's time goes, for plain decoding and speculativ
 Each repetition decodes --requests Spec-Bench prompts not decoded before (round-robin over the
 subtasks the scheduler benchmarks use, as `tandem bench serve` takes them), greedy, --max-tokens
 each, through `Engine.add_request` / `step` as the server's engine thread does, and prints the
-wall time, the rounds and the engine's phases in ms per round. For the confidence scheduler it
-also counts how many requests were asked for a draft's source (`worth_asking`) and how many
-drafted.
+wall time, the rounds, the draft tokens verified and accepted per round and the engine's phases
+in ms per round. For the confidence scheduler it also counts how many requests were asked for a
+draft's source (`worth_asking`) and how many drafted.
 
     .venv/bin/python scripts/steady_load.py --batch 8 --threads 1 off confidence:dspark
 
@@ -97,6 +97,7 @@ def main() -> None:
             seconds.clear()
             calls.clear()
             asking[mode].clear()
+            drafted0, accepted0 = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens
             started, live, start = 0, 0, time.perf_counter()
             while started < len(prompts) or engine.has_work():
                 while live < args.batch and started < len(prompts):
@@ -107,8 +108,11 @@ def main() -> None:
             wall = time.perf_counter() - start
             rounds = max(1, calls["_decode_round"])
             phases = " ".join(f"{name[1:]} {seconds[name] / rounds * 1e3:.2f}" for name in PHASES if calls[name])
+            verified = (engine.stats.num_draft_tokens - drafted0) / rounds
+            accepted = (engine.stats.num_accepted_tokens - accepted0) / rounds
             asked = f"  asked {asking[mode]['asked']}, drafted {asking[mode]['drafted']}" if asking[mode] else ""
-            print(f"run {rep + 1} {mode:22s} {wall:6.2f} s, {rounds} rounds; ms a round: {phases}{asked}", flush=True)
+            print(f"run {rep + 1} {mode:22s} {wall:6.2f} s, {rounds} rounds, draft tokens a round {verified:.2f} verified "
+                  f"/ {accepted:.2f} accepted; ms a round: {phases}{asked}", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,26 @@ def test_a_lookup_draft_and_a_head_draft_are_priced_apart():
     assert "a" not in s.expected and "a" not in s.sources
 
 
+def test_a_new_request_starts_from_the_first_drafts_of_its_source_not_from_the_starting_guess():
+    """The server-wide survivals start at 1 so the first request drafts; from its first draft on
+    they are the mean of the drafts so far per position (then a moving average), so the next
+    requests price a head that drafts badly at what it reported, not at the guess."""
+    curve = CostCurve((1, 5), (1.0, 1.1))
+    s = scheduler(curve, verify_rows=sum)
+    s.observe_draft_time(0.5, 1)  # half a forward per head round
+    assert s.draft_lengths([DraftSlot("a", 4, "head")]) == [4]  # the guess: worth measuring
+    s.admit(["a"], [chain(0.3, 0.2, 0.1, 0.05)], batch=1)
+    assert s._global("head") == pytest.approx([0.3, 0.06, 0.006, 0.0003])
+    assert s.draft_lengths([DraftSlot("b", 4, "head")]) == [0]  # a new request: priced at that draft
+    s.admit(["b"], [chain(0.5, 0.4)], batch=1)  # drafted anyway: only two positions reported
+    assert s._global("head") == pytest.approx([0.4, 0.13, 0.006, 0.0003])
+    for i in range(200):  # then a moving average, which follows a drafter that got better
+        s.draft_lengths([DraftSlot(f"r{i}", 4, "head")])
+        s.admit([f"r{i}"], [chain(1.0, 1.0, 1.0, 1.0)], batch=1)
+    assert min(s._global("head")) > 0.99
+    assert s._global("lookup") == [1.0] * 4  # another source keeps its own
+
+
 def test_a_retry_happens_only_where_a_draft_that_always_passes_would_pay():
     linear = scheduler(CostCurve((1, 2, 3), (1.0, 2.0, 3.0)), k=2)  # every row a whole forward
     linear.observe_draft_time(0.01, 1)
@@ -276,11 +296,14 @@ def test_only_requests_whose_drafts_could_pay_are_asked_and_asking_has_a_price()
     s = ConfidenceScheduler(SpecConfig("dspark", 2, policy="confidence"),
                             CostCurve((1, 2, 3, 4, 5, 6), (1.0, 1.15, 1.3, 1.45, 1.6, 1.75)),
                             verify_rows=sum, sources=("lookup", "head"))  # the fused path's rows
-    for source in ("lookup", "head"):  # a's drafts fail from either source
-        s.draft_lengths([DraftSlot("a", 2, source)])
-        s.admit(["a"], [chain(0.05, 0.05)], batch=1)
+    for source in ("lookup", "head"):  # earlier requests drafted well; a's drafts fail from either source
+        for rid, confidence in [(f"done{i}", 0.95) for i in range(9)] + [("a", 0.05)]:
+            s.draft_lengths([DraftSlot(rid, 2, source)])
+            s.admit([rid], [chain(confidence, confidence)], batch=1)
+    for i in range(9):
+        s.release(f"done{i}")
     slots = [DraftSlot("a", 2), DraftSlot("b", 2)]
-    assert s.worth_asking(slots) == [False, True]  # b is new: a draft that all passes would pay
+    assert s.worth_asking(slots) == [False, True]  # b is new: priced as the server's drafts so far, it would pay
     s.observe_asking(10.0, 1)  # asking costs more than any draft brings
     assert s.worth_asking(slots) == [False, False]
 

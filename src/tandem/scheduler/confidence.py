@@ -49,7 +49,8 @@ class ConfidenceScheduler(PricedPolicy):
     The drafter reports its confidences already corrected online for the request
     (drafters/calibration.py). Before drafting, `draft_lengths` prices expected survivals (a
     moving average of each request's survivals over its recent drafts; a new request's is the server-wide
-    one, which starts at 1 so that the first requests draft and measure), with the drafter's
+    one, which starts at 1 so that the first requests draft and measure, and is the mean of the
+    first drafts' survivals once there are any, a moving average after GLOBAL_EMA's worth), with the drafter's
     measured seconds per drafting request added to the cost of its first pair, and takes the
     best prefix of the ranked pairs: nothing has been drawn yet, so looking past a dip reads
     nothing this round drafts. When that admits nothing for a request, it does not draft this
@@ -80,6 +81,7 @@ class ConfidenceScheduler(PricedPolicy):
         # new request is assumed to start with, per source.
         self.expected: dict[str, dict[str, list[float]]] = {}
         self.global_expected: dict[str, list[float]] = {}
+        self.global_drafts: dict[str, list[int]] = {}  # per source and position: drafts averaged in
         self.sources: dict[str, str] = {}  # this round's source of each request that drafts
         self.idle: dict[str, int] = {}  # rounds since each request last drafted
         # Each request's source when it was last asked, and the round it was asked in.
@@ -199,9 +201,13 @@ class ConfidenceScheduler(PricedPolicy):
             per_source = self.expected.setdefault(rid, {})
             weight = REQUEST_EMA if source in per_source else 1.0
             mine = per_source.setdefault(source, list(shared))
+            # Each position of the server-wide estimate is the mean of its first drafts, then a
+            # moving average: its starting 1s make the first requests draft, and must not outlast them.
+            counts = self.global_drafts.setdefault(source, [0] * self.k_max)
             for j, a in enumerate(survivals[-1]):
                 mine[j] += weight * (a - mine[j])
-                shared[j] += GLOBAL_EMA * (a - shared[j])
+                counts[j] += 1
+                shared[j] += max(GLOBAL_EMA, 1.0 / counts[j]) * (a - shared[j])
         # Running requests without a draft are the rest of the batch: one row, one token each.
         # Deterministic drafts (no q) are graded by the one-hot rule, which any cut that reads
         # nothing of the target keeps exact: then the best prefix of the ranked pairs is taken,
