@@ -9,6 +9,7 @@ from tandem.model.arch import model_config_from_hf
 from tandem.model.block_linear import BlockQ4Linear, BlockQ8Linear
 from tandem.model.fused import fused_eligible
 from tandem.model.kernels import GEGLU, RMS_NORM, SWIGLU, block_kernels
+from tandem.model.kernels.arena import place_contiguously
 from tandem.model.kv_cache import KVCache
 from tandem.model.loader import StateDictSource
 from tandem.model.runner import ModelRunner, SeqInput
@@ -305,6 +306,38 @@ def test_fused_path_matches_general_path(arch):
     torch.testing.assert_close(out_f.logits, out_g.logits, atol=0.05, rtol=0.02)
     torch.testing.assert_close(out_f.hidden[2][0], out_g.hidden[2][0], atol=0.05, rtol=0.02)
     assert (out_f.logits.argmax(-1) == out_g.logits.argmax(-1)).float().mean() > 0.9
+
+
+def test_placing_weights_in_one_buffer_changes_their_addresses_not_their_products():
+    k = block_kernels()
+    torch.manual_seed(7)
+    layers = [BlockQ4Linear.quantize(torch.randn(48, 64), bias=torch.randn(48)), BlockQ8Linear.quantize(torch.randn(40, 96))]
+    weights = [layer.blocks(k) for layer in layers]
+    xs = [torch.randn(3, 64), torch.randn(3, 96)]
+    before = [k.linear(x, w) for x, w in zip(xs, weights)]
+    buffer = place_contiguously(weights + weights[:1])  # a weight listed twice is placed once
+    inside = []
+    for w in weights:
+        for t in (w.packed, w.pd, w.pm, w.bias):
+            if t is not None:
+                assert t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() and t.data_ptr() % 64 == 0
+                inside.append(t.data_ptr())
+    assert inside == sorted(inside)  # in the order given, the first weight's codes first
+    assert (weights[0].record.packed, weights[1].record.pd) == (weights[0].packed.data_ptr(), weights[1].pd.data_ptr())
+    for x, w, y in zip(xs, weights, before):
+        assert torch.equal(k.linear(x, w), y)
+    with pytest.raises(ValueError, match="relocate needs"):
+        weights[1].relocate(weights[1].packed)
+
+
+def test_the_fused_decoder_streams_its_weights_from_one_buffer():
+    _, model = block_model("llama")
+    fused = runner_for(model).fused
+    weights = [w for p in fused._parts for w in (p.qkv, p.o, p.gate_up, p.down)] + [fused._head]
+    storages = {w.packed.untyped_storage().data_ptr() for w in weights}
+    assert len(storages) == 1
+    starts = [w.packed.data_ptr() for w in weights]
+    assert starts == sorted(starts)  # in the order a forward reads them
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -32,6 +32,7 @@ from tandem.model.kernels import (
     block_kernels,
     decoder_layers,
 )
+from tandem.model.kernels.arena import place_contiguously
 from tandem.model.transformer import TransformerLM
 from tandem.types import GreedyRows
 
@@ -59,12 +60,15 @@ class FusedDecoder:
                                   cfg.attn_scale, SWIGLU if cfg.activation == "silu" else GEGLU)
         # The native layer records point into these: they live as long as the decoder.
         self._parts = [self._layer_parts(layer) for layer in model.layers]
-        self._layers = decoder_layers(self._parts)
         # The final norm fused into the LM head's input, one native call, where the head runs on
         # the block kernels and no softcap follows it (else the model's own norm and head).
         head_on_blocks = isinstance(model.lm_head, (BlockQ4Linear, BlockQ8Linear)) and not cfg.final_logit_softcap
         self._head = model.lm_head.blocks(kernels) if head_on_blocks else None
         self._final_norm = model.norm.weight.detach().float().contiguous()
+        # Every weight a forward streams, back to back in the order it reads them (arena.py).
+        streamed = [w for p in self._parts for w in (p.qkv, p.o, p.gate_up, p.down)]
+        place_contiguously(streamed + ([self._head] if self._head is not None else []))
+        self._layers = decoder_layers(self._parts)
 
     def _layer_parts(self, layer) -> LayerParts:
         k, model = self.kernels, self.model

@@ -32,6 +32,7 @@ from tandem.model.kernels import (
     RMS_NORM_HALVES,
     SWIGLU,
     BlockKernels,
+    BlockWeights,
     DecoderShape,
     DraftChain,
     DraftLayer,
@@ -91,6 +92,11 @@ class NativeBlock:
     @property
     def has_vocab(self) -> bool:
         return self.vocab is not None
+
+    @property
+    def weights(self) -> list[BlockWeights]:
+        """The layer's packed weights in the order a step reads them (for arena.place_contiguously)."""
+        return [self.qkv, self.o, self.gate_up, self.down] + ([self.vocab] if self.vocab is not None else [])
 
     def _tables(self, positions: int) -> DraftLayer:
         """The layer record, with rope tables (cos and sign-folded sin [P, D], the layout the

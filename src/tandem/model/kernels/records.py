@@ -203,6 +203,20 @@ class BlockWeights:
         self.record = WeightsRecord(ptr(self.packed), ptr(self.pd), ptr(self.pm), ptr(self.bias), N, K,
                                int(m is not None))
 
+    def relocate(self, *copies: torch.Tensor) -> None:
+        """Read from `copies` of this layer's tensors from now on (packed, pd, then pm and bias
+        where it has them; see arena.place_contiguously): the record is updated in place, so the
+        native records that point to it follow."""
+        names = [name for name in ("packed", "pd", "pm", "bias") if getattr(self, name) is not None]
+        if len(copies) != len(names):
+            raise ValueError(f"relocate needs {len(names)} tensors ({', '.join(names)}), got {len(copies)}")
+        for name, copy in zip(names, copies):
+            old = getattr(self, name)
+            if copy.shape != old.shape or copy.dtype != old.dtype or not copy.is_contiguous():
+                raise ValueError(f"the copy of {name} must be a contiguous {old.dtype} tensor of shape {tuple(old.shape)}")
+            setattr(self, name, copy)
+            setattr(self.record, name, ptr(copy))
+
     @property
     def nbytes(self) -> int:
         """Bytes the small-batch GEMM reads per forward (packed codes and scales)."""
