@@ -111,8 +111,8 @@ def main() -> None:
             verified = (engine.stats.num_draft_tokens - drafted0) / rounds
             accepted = (engine.stats.num_accepted_tokens - accepted0) / rounds
             asked = f"  asked {asking[mode]['asked']}, drafted {asking[mode]['drafted']}" if asking[mode] else ""
-            print(f"run {rep + 1} {mode:22s} {wall:6.2f} s, {rounds} rounds, draft tokens a round {verified:.2f} verified "
-                  f"/ {accepted:.2f} accepted; ms a round: {phases}{asked}", flush=True)
+            print(f"run {rep + 1} {mode:22s} {wall:6.2f} s, {rounds} rounds, draft tokens a round "
+                  f"{verified:.2f} verified / {accepted:.2f} accepted; ms a round: {phases}{asked}", flush=True)
 
 
 if __name__ == "__main__":

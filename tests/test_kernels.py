@@ -311,7 +311,8 @@ def test_fused_path_matches_general_path(arch):
 def test_placing_weights_in_one_buffer_changes_their_addresses_not_their_products():
     k = block_kernels()
     torch.manual_seed(7)
-    layers = [BlockQ4Linear.quantize(torch.randn(48, 64), bias=torch.randn(48)), BlockQ8Linear.quantize(torch.randn(40, 96))]
+    layers = [BlockQ4Linear.quantize(torch.randn(48, 64), bias=torch.randn(48)),
+              BlockQ8Linear.quantize(torch.randn(40, 96))]
     weights = [layer.blocks(k) for layer in layers]
     xs = [torch.randn(3, 64), torch.randn(3, 96)]
     before = [k.linear(x, w) for x, w in zip(xs, weights)]

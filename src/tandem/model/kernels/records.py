@@ -213,7 +213,8 @@ class BlockWeights:
         for name, copy in zip(names, copies):
             old = getattr(self, name)
             if copy.shape != old.shape or copy.dtype != old.dtype or not copy.is_contiguous():
-                raise ValueError(f"the copy of {name} must be a contiguous {old.dtype} tensor of shape {tuple(old.shape)}")
+                raise ValueError(f"the copy of {name} must be a contiguous {old.dtype} tensor of shape "
+                                 f"{tuple(old.shape)}")
             setattr(self, name, copy)
             setattr(self.record, name, ptr(copy))
 
