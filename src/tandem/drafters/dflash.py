@@ -36,7 +36,6 @@ from tandem.drafters.heads.block import RowCache
 from tandem.drafters.heads.native import NativeBlock
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
 from tandem.drafters.lookup import LookupFirst
-from tandem.model.kernels.arena import place_contiguously
 from tandem.types import Draft
 
 
@@ -62,8 +61,8 @@ class DFlashDrafter(HeadDrafter):
         natives = [NativeBlock.of(layer.block, (layer.norm,), (self.head.out_norm, self.head.lm_head) if i == last else None)
                    for i, layer in enumerate(self.head.draft_layers)]
         self.natives = natives if all(n is not None for n in natives) else None
-        if self.natives is not None:  # streamed back to back every round (model/kernels/arena.py)
-            place_contiguously([w for native in self.natives for w in native.weights])
+        if self.natives is not None:
+            NativeBlock.stream_together(self.natives)
         self.online_calibration = OnlineCalibration()
         self.lookup = None
         if spec.lookup:

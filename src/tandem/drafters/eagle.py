@@ -34,7 +34,6 @@ from tandem.drafters.heads.block import RowCache
 from tandem.drafters.heads.native import NativeBlock, path_keys, path_mask
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
 from tandem.drafters.lookup import LookupFirst
-from tandem.model.kernels.arena import place_contiguously
 from tandem.sampling import all_finite
 from tandem.types import Draft
 
@@ -47,8 +46,8 @@ class EagleDrafter(HeadDrafter):
         super().__init__(spec, target)
         self.caches: dict[str, RowCache] = {}
         self.native = NativeBlock.of(self.head.block, self.head.input_norms, self.head.vocab_head)
-        if self.native is not None:  # streamed back to back every draft step (model/kernels/arena.py)
-            place_contiguously(self.native.weights)
+        if self.native is not None:
+            NativeBlock.stream_together([self.native])
         self.lookup = LookupFirst(spec, target, self.head.serving_layers) if spec.lookup else None
 
     def observe(self, outcomes: list[DraftOutcome]) -> None:

@@ -94,8 +94,8 @@ class LookupFirst:
 
     def waiting_rows(self, request_id: str) -> int:
         """Hidden rows of the request's lookup rounds that its head would catch up on first."""
-        pieces, start, end = self.pending.get(request_id, ([], 0, 0))
-        return end - start if pieces else 0  # the pieces are contiguous
+        _, start, end = self.pending.get(request_id, ((), 0, 0))
+        return end - start  # the pieces are contiguous
 
     def with_pending(self, inp: DraftInput) -> DraftInput:
         """inp with the rows waiting from earlier lookup rounds put before its own, when they end

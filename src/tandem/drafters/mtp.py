@@ -17,7 +17,6 @@ from tandem.drafters.base import DraftInput, register
 from tandem.drafters.heads.block import RowCache
 from tandem.drafters.heads.native import NativeBlock
 from tandem.drafters.heads.serving import HeadDrafter, make_draft
-from tandem.model.kernels.arena import place_contiguously
 from tandem.types import Draft
 
 
@@ -59,8 +58,8 @@ class MTPDrafter(HeadDrafter):
         self.states: dict[str, _State] = {}
         natives = [NativeBlock.of(module.block) for module in self.head.mtp]
         self.natives = natives if all(n is not None for n in natives) else None
-        if self.natives is not None:  # streamed back to back every draft step (model/kernels/arena.py)
-            place_contiguously([w for native in self.natives for w in native.weights])
+        if self.natives is not None:
+            NativeBlock.stream_together(self.natives)
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -42,6 +42,7 @@ from tandem.model.kernels import (
     block_kernels,
     decoder_layers,
 )
+from tandem.model.kernels.arena import place_contiguously
 
 MIN_POSITIONS = 1024  # rope table rows built at first; doubled whenever a position needs more
 
@@ -95,8 +96,14 @@ class NativeBlock:
 
     @property
     def weights(self) -> list[BlockWeights]:
-        """The layer's packed weights in the order a step reads them (for arena.place_contiguously)."""
+        """The layer's packed weights in the order a step reads them."""
         return [self.qkv, self.o, self.gate_up, self.down] + ([self.vocab] if self.vocab is not None else [])
+
+    @staticmethod
+    def stream_together(natives: "list[NativeBlock]") -> None:
+        """A head's layers' weights in one buffer, in the order its steps read them
+        (model/kernels/arena.py): every draft step streams them back to back."""
+        place_contiguously([w for native in natives for w in native.weights])
 
     def _tables(self, positions: int) -> DraftLayer:
         """The layer record, with rope tables (cos and sign-folded sin [P, D], the layout the

@@ -51,7 +51,7 @@ def place_contiguously(weights: Sequence[BlockWeights]) -> torch.Tensor | None:
     place) at their copies. Returns the buffer (the copies are views of it and keep it alive);
     None when there is nothing to place. A weight listed twice is placed once."""
     unique = list({id(w): w for w in weights}.values())
-    parts = [[t for t in (w.packed, w.pd, w.pm, w.bias) if t is not None] for w in unique]
+    parts = [w.tensors for w in unique]
     total = sum(_aligned(t.numel() * t.element_size(), ALIGN) for ts in parts for t in ts)
     if total == 0:
         return None

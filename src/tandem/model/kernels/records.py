@@ -174,6 +174,8 @@ class BlockWeights:
     of `lanes` output rows (see block_matmul.cpp). Built once per layer by BlockKernels.pack;
     holds the tensors its native record points into."""
 
+    _TENSORS = ("packed", "pd", "pm", "bias")  # WeightsRecord's pointer fields, named alike
+
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None,
                  lanes: int, q8_bias: int) -> None:
         N = qs.shape[0]
@@ -203,11 +205,16 @@ class BlockWeights:
         self.record = WeightsRecord(ptr(self.packed), ptr(self.pd), ptr(self.pm), ptr(self.bias), N, K,
                                int(m is not None))
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the record points into, in `_TENSORS` order (packed, pd, then pm and bias
+        where the layer has them)."""
+        return [t for t in (getattr(self, name) for name in self._TENSORS) if t is not None]
+
     def relocate(self, *copies: torch.Tensor) -> None:
-        """Read from `copies` of this layer's tensors from now on (packed, pd, then pm and bias
-        where it has them; see arena.place_contiguously): the record is updated in place, so the
-        native records that point to it follow."""
-        names = [name for name in ("packed", "pd", "pm", "bias") if getattr(self, name) is not None]
+        """Read from `copies` of `tensors` from now on (see arena.place_contiguously): the record
+        is updated in place, so the native records that point to it follow."""
+        names = [name for name in self._TENSORS if getattr(self, name) is not None]
         if len(copies) != len(names):
             raise ValueError(f"relocate needs {len(names)} tensors ({', '.join(names)}), got {len(copies)}")
         for name, copy in zip(names, copies):
