@@ -9,7 +9,8 @@ from conftest import tiny_loaded
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters import Drafter, DrafterNeeds, register
 from tandem.llm import LLM
-from tandem.types import Draft
+from tandem.engine.engine import POOR_DRAFTER_TAU, poor_drafter
+from tandem.types import Draft, SpecStats
 
 PROMPTS = [[5, 17, 33, 8, 91, 4], [60, 61, 62], [7] * 11 + [12, 13]]
 
@@ -354,3 +355,27 @@ def test_sampling_refuses_a_generator_on_another_device():
 
     with pytest.raises(ValueError, match="device its draws happen on"):
         sample(probs, Elsewhere())
+
+
+def _stats(rounds: list[tuple[int, int]], plain_forwards: int = 0) -> SpecStats:
+    """Counters of drafting rounds (drafted, accepted) and forwards that verified no draft."""
+    stats = SpecStats()
+    for drafted, accepted in rounds:
+        stats.record_round(drafted, accepted, accepted + 1)
+    for _ in range(plain_forwards):
+        stats.record_round(0, 0, 1)
+    return stats
+
+
+def test_the_poor_drafter_warning_judges_the_drafting_rounds_alone():
+    # Four-token drafts of which a quarter of a token passes: the drafter is poor.
+    assert poor_drafter(_stats([(4, 0), (4, 0), (4, 1), (4, 0)] * 6))
+    # Good drafts on a loaded server that drafts in one forward of ten: tau over all forwards is
+    # about 1.2, but the drafter is not the problem.
+    loaded = _stats([(4, 3)] * 24, plain_forwards=216)
+    assert loaded.mean_acceptance_length < POOR_DRAFTER_TAU
+    assert loaded.drafted_tau == 4.0 and not poor_drafter(loaded)
+    # The policy cut every draft to one token: tau 2 is out of reach whatever the drafter.
+    assert not poor_drafter(_stats([(1, 1), (1, 0)] * 15))
+    # Too few drafting rounds to judge.
+    assert not poor_drafter(_stats([(4, 0)] * 19))

@@ -210,6 +210,12 @@ class SpecStats:
         return self.num_committed_tokens / self.num_forwards if self.num_forwards else 0.0
 
     @property
+    def drafted_tau(self) -> float:
+        """Tokens committed per forward that verified a draft: its accepted tokens plus the
+        recovered or bonus one (tau over the drafting rounds alone; 0 with none)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
     def acceptance_per_position(self) -> list[float]:
         """P(draft token i passes | tokens before it passed), from the rounds that graded it
         (trees: P(a node at depth i passes | the accepted path reached depth i - 1))."""

@@ -484,12 +484,24 @@ class Engine:
         self._last_log = now
         s = self.stats
         log.info(
-            "spec %s: acceptance rate %.2f, mean acceptance length (tau) %.2f over %d drafts",
-            self.config.spec.algorithm, s.acceptance_rate, s.mean_acceptance_length, s.num_drafts,
+            "spec %s: acceptance rate %.2f, mean acceptance length (tau) %.2f over %d forwards; %d of them "
+            "verified a draft (%.1f draft tokens on average, tau %.2f)",
+            self.config.spec.algorithm, s.acceptance_rate, s.mean_acceptance_length, s.num_forwards, s.num_drafts,
+            s.num_draft_tokens / s.num_drafts, s.drafted_tau,
         )
-        if s.num_drafts >= 20 and s.mean_acceptance_length < POOR_DRAFTER_TAU:
+        if poor_drafter(s):
             log.warning(
-                "tau %.2f < %.1f: the drafter %r is a poor match for this target; swap the drafter "
-                "rather than raising the number of draft tokens",
-                s.mean_acceptance_length, POOR_DRAFTER_TAU, self.config.spec.algorithm,
+                "tau %.2f < %.1f in the rounds that verified %.1f draft tokens on average: the drafter %r is a poor "
+                "match for this target; swap the drafter rather than raising the number of draft tokens",
+                s.drafted_tau, POOR_DRAFTER_TAU, s.num_draft_tokens / s.num_drafts, self.config.spec.algorithm,
             )
+
+
+def poor_drafter(stats: SpecStats) -> bool:
+    """Whether the drafter itself holds tau under POOR_DRAFTER_TAU: judged on the rounds that
+    verified a draft, once there are 20, and only where those drafts averaged at least two tokens.
+    Rounds the policy drafted nothing in (a loaded server) say nothing of the drafter, and a draft
+    the policy cut to one token cannot reach tau 2 however good it is."""
+    if stats.num_drafts < 20 or stats.num_draft_tokens < 2 * stats.num_drafts:
+        return False
+    return stats.drafted_tau < POOR_DRAFTER_TAU
