@@ -28,6 +28,7 @@ from tandem.bench.spec import (
     parse_methods,
     run_spec_bench,
 )
+from tandem.bench.steal import StealMeter
 from tandem.config import DTYPES, QUANTIZATIONS, EngineConfig
 from tandem.llm import LLM, configure_threads
 from tandem.model.cost import forward_cost_curve
@@ -188,6 +189,7 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
         raise ValueError("no drafters to assess; pass --drafters NAME[=PATH] ...")
     if k_max < 1:
         raise ValueError(f"--k-max must be >= 1, got {k_max}")
+    steal = StealMeter()
     bandwidth = measure_bandwidth()
     weight_bytes = model_weight_bytes(loaded.model)
     curve = CostCurve.from_points(forward_cost_curve(loaded, sizes=curve_sizes)).monotone()
@@ -218,7 +220,7 @@ def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: i
             "tau(k) * cost(1) / (mean over rounds of cost(1 + min(drafted, k)) + k * drafting seconds per "
             "token), cost = measured forward seconds over n new tokens, drafted = the measured draft "
             "lengths; at concurrency B: cost(B) and cost(B * (1 + min(drafted, k)))")},
-        "machine": machine_info(),
+        "machine": machine_info(steal),
     }
 
 

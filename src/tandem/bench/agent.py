@@ -24,6 +24,7 @@ from tandem.bench.server_process import (
     write_report,
 )
 from tandem.bench.spec import machine_info
+from tandem.bench.steal import StealMeter
 from tandem.model.catalogue import DEFAULT_MODEL
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "spec_bench_question.jsonl"
@@ -86,6 +87,7 @@ def _prefix_hits(url: str) -> tuple[float, float]:
 
 
 def bench_agent(args) -> dict:
+    steal = StealMeter()
     runs = {}
     for label, flags in (("cache on", args.server_flags), ("cache off", f"{args.server_flags} --no-enable-prefix-caching")):
         print(f"starting `tandem serve {flags.strip()}` ...", flush=True)
@@ -99,7 +101,7 @@ def bench_agent(args) -> dict:
         finally:
             stop_server(proc)
     report = {"model": args.model, "turns": args.turns, "tool_chars": args.tool_chars, "max_tokens": args.max_tokens,
-              "server_flags": args.server_flags, "machine": machine_info(), "runs": runs}
+              "server_flags": args.server_flags, "machine": machine_info(steal), "runs": runs}
     print_table(report)
     write_report(report, args.out)
     return report

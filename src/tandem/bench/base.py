@@ -24,6 +24,7 @@ import torch
 
 from tandem.bench.kernel_report import kernel_report, measure_bandwidth, model_weight_bytes, print_kernel_report
 from tandem.bench.prompts import spec_bench_prompts
+from tandem.bench.steal import StealMeter, steal_notice
 from tandem.config import SamplingParams
 from tandem.llm import LLM
 from tandem.model.kernels import kernel_description
@@ -176,6 +177,7 @@ def bench_base(args) -> dict:
     if args.cpu_time and args.threads != 1:
         raise ValueError("--cpu-time measures one thread: run it with --threads 1")
     use_cpu_clock(args.cpu_time)
+    steal = StealMeter()
     prompts = [p.text for p in spec_bench_prompts(per_category=1)][: args.num_prompts]
     kernels = None
     if not args.skip_kernel_report:
@@ -212,7 +214,13 @@ def bench_base(args) -> dict:
               "clock": "thread CPU time" if args.cpu_time else "wall", "threads": args.threads,
               "num_prompts": len(prompts), "kernels": kernels.as_dict() if kernels else None,
               "results": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]}
+    share = steal.share()
+    if share is not None:
+        report["steal"] = round(share, 4)
     print_table(report)
+    notice = steal_notice(share)
+    if notice:
+        print(notice)
     if args.out:
         save_report(report, args.out)
     if args.plot:

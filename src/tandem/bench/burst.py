@@ -27,6 +27,7 @@ from tandem.bench.server_process import (
     write_report,
 )
 from tandem.bench.spec import machine_info
+from tandem.bench.steal import StealMeter
 from tandem.model.catalogue import DEFAULT_MODEL
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl"
@@ -123,6 +124,7 @@ def summarize(server: str, long: list[Stream], burst: list[Stream], start: float
 
 
 def bench_burst(args) -> dict:
+    steal = StealMeter()
     if args.prompts_file:
         questions = [p.text for p in load_prompt_file(args.prompts_file, args.burst)]
     else:
@@ -150,7 +152,7 @@ def bench_burst(args) -> dict:
             if proc is not None:
                 stop_server(proc)
     report = {"model": args.model, "burst": args.burst, "running": args.running, "max_tokens": args.max_tokens,
-              "machine": machine_info(), "results": [asdict(r) for r in results]}
+              "machine": machine_info(steal), "results": [asdict(r) for r in results]}
     print_table(report)
     write_report(report, args.out)
     return report

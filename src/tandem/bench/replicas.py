@@ -20,6 +20,7 @@ from tandem.bench.prompts import spread_prompts
 from tandem.bench.serve import SPEEDUP_DEFINITION, WARMUP_PROMPT, run_level, summarize
 from tandem.bench.server_process import start_with_flags, stop_server, write_report
 from tandem.bench.spec import machine_info
+from tandem.bench.steal import StealMeter
 from tandem.model.catalogue import DEFAULT_MODEL
 
 # The in-process server first (the reference), then Ray Serve layouts of a 2-core machine.
@@ -27,6 +28,7 @@ DEFAULT_LAYOUTS = ["--threads 1", "--replicas 1 --threads 2", "--replicas 1 --th
 
 
 def bench_replicas(args) -> dict:
+    steal = StealMeter()
     prompts = [p.text for p in spread_prompts(10**6)[: args.num_prompts]]
     sizes = [max(4, c * args.requests_per_user) for c in args.concurrency]
     levels: dict[str, dict[str, dict]] = {}
@@ -61,7 +63,7 @@ def bench_replicas(args) -> dict:
               "concurrency": args.concurrency, "requests_per_user": args.requests_per_user,
               "max_tokens": args.max_tokens, "num_prompts": args.num_prompts, "definitions": SPEEDUP_DEFINITION,
               "levels": levels, "identity": identity, "load_before": load_before,
-              "machine": {**machine_info(), "torch_threads": None}}  # threads: each server's own flags
+              "machine": {**machine_info(steal), "torch_threads": None}}  # threads: each server's own flags
     print_table(report)
     write_report(report, args.out)
     return report

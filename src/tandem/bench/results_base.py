@@ -112,7 +112,7 @@ def base_section(page: Page, rel: str, data: dict) -> list[str]:
     machine = None
     if kernels:
         machine = {"cpu": kernels.get("cpu"), "cpu_model": kernels.get("cpu_model"), "isa": kernels.get("isa"),
-                   "threads": kernels.get("threads"), "kernels": kernels.get("kernels")}
+                   "threads": kernels.get("threads"), "kernels": kernels.get("kernels"), "steal": data.get("steal")}
     lines = [f"`{KINDS['bench_base']}`: plain decoding of {data.get('model')}, greedy, batch 1, "
              f"{data.get('num_prompts')} Spec-Bench prompts (one per subtask, chat template where the model has one) x {data.get('max_new_tokens')} new tokens "
              f"(prefill included), {data.get('clock')} clock; read bandwidth {num(data.get('bandwidth_gb_s'), 1)} GB/s "

@@ -150,6 +150,8 @@ def machine_line(rel: str, machine: dict | None) -> str:
     text += f"; kernels: {kernels}" if kernels else f"; {PREVIOUS_KERNELS}"
     if machine and machine.get("date"):
         text += f"; {machine['date']}"
+    if machine and isinstance(machine.get("steal"), (int, float)):
+        text += f"; {machine['steal']:.1%} of the CPU time stolen by the hypervisor during the run"
     return f"Machine: {text}."
 
 

@@ -32,6 +32,7 @@ from tandem.bench.server_process import (
     stop_server,
 )
 from tandem.bench.spec import machine_info
+from tandem.bench.steal import StealMeter, steal_notice
 from tandem.model.catalogue import DEFAULT_MODEL
 
 MODES = ("adaptive", "fixed", "off")
@@ -376,12 +377,15 @@ def bench_serve(args) -> dict:
         model = args.served_model or args.model
         for url in urls.values():  # warm-up: first-request costs off the clock (not a sweep prompt)
             asyncio.run(run_level(url, model, [WARMUP_PROMPT], 1, 1, 8))
+        steal = StealMeter()
         machine = {**machine_info(), "torch_threads": args.threads or os.cpu_count()}  # the servers' threads
         settings = {"algorithm": args.algorithm, "num_draft_tokens": args.num_draft_tokens, "note": args.note,
                     "max_running_requests": args.max_running_requests, "categories": args.categories,
                     "launched": [m for m in urls if m not in given], "threads": args.threads, "machine": machine}
 
         def save(report):
+            if steal.share() is not None:  # the sweep so far
+                machine["steal"] = round(steal.share(), 4)
             if args.out:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps({**report, **settings}, indent=2))
@@ -395,6 +399,9 @@ def bench_serve(args) -> dict:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     print_table(report)
+    notice = steal_notice(report["machine"].get("steal"))
+    if notice:
+        print(notice)
     if args.out:
         print(f"wrote {args.out}")
     plot_path = Path(args.out).with_suffix(".png") if args.plot is None and args.out else args.plot

@@ -29,6 +29,7 @@ from tandem.bench.server_process import (
     start_with_flags,
 )
 from tandem.bench.spec import machine_info
+from tandem.bench.steal import StealMeter
 from tandem.model.catalogue import DEFAULT_MODEL
 
 RSS_GROWTH_LIMIT = 0.05
@@ -152,6 +153,7 @@ def bench_soak(args) -> SoakReport:
 
     prompts = [json.loads(line)["turns"][0] for line in QUESTIONS.read_text().splitlines() if line.strip()]
     report = SoakReport(requests=0, cancelled=0)
+    steal = StealMeter()
     t0 = time.perf_counter()
     log_dir = Path(args.out).parent
     proc, url = start_with_flags(args.server_flags, args.model, log_dir / "server-soak.log")
@@ -184,7 +186,7 @@ def bench_soak(args) -> SoakReport:
         log_dir.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"model": args.model, "server_flags": args.server_flags,
                                               "concurrency": args.concurrency, "cancel_share": args.cancel_share,
-                                              "machine": machine_info(), "soak": asdict(report)}, indent=2))
+                                              "machine": machine_info(steal), "soak": asdict(report)}, indent=2))
         print(f"wrote {args.out}")
     return report
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from tandem.bench.draft_profile import DraftProfile, ProbedDrafter
 from tandem.bench.kernel_report import ISA_FLAGS
+from tandem.bench.steal import StealMeter
 from tandem.config import EngineConfig, SamplingParams, SpecConfig, StructuredOutput
 from tandem.drafters import TargetInfo, available_drafters, create_drafter
 from tandem.llm import LLM
@@ -269,6 +270,7 @@ def run_spec_bench(
                               structured_output)
     hf_configs = baselines.configs(temperature) if baselines else []
 
+    steal = StealMeter()
     warm = warmup_ids or cases[0].prompt_ids
     for cfg in configs + hf_configs:
         cfg.run(warm, WARMUP_TOKENS, seed)
@@ -289,7 +291,7 @@ def run_spec_bench(
                      "num_steps": m.num_steps, "lookup": m.lookup, "corpus": m.corpus} for m in methods],
         "transformers": baselines.describe() if baselines else None,
         "definitions": DEFINITIONS,
-        "machine": machine_info(),
+        "machine": machine_info(steal),
     }
     report.update(_tables(cases, runs, hf_runs, temperature))
     return report
@@ -409,15 +411,20 @@ def _tables(cases, runs, hf_runs, temperature) -> dict:
     return out
 
 
-def machine_info() -> dict:
+def machine_info(steal: StealMeter | None = None) -> dict:
     """The CPU (model name and the instruction sets the kernels care about), the kernels that ran
-    the quantized linears, threads, torch and the date: what every figure is reported next to."""
+    the quantized linears, threads, torch and the date: what every figure is reported next to;
+    with the run's StealMeter, the share of the machine's CPU time stolen since it started."""
     flags = cpu_flags()
-    return {"cpu": cpu_name(), "cpu_model": cpu_model(), "isa": [f for f in ISA_FLAGS if f in flags],
+    info = {"cpu": cpu_name(), "cpu_model": cpu_model(), "isa": [f for f in ISA_FLAGS if f in flags],
             "kernels": kernel_description(),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    share = steal.share() if steal is not None else None
+    if share is not None:
+        info["steal"] = round(share, 4)
+    return info
 
 
 # ---- the command ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from tandem.bench.plots import plot_spec_report
 from tandem.bench.prompts import spec_bench_prompts
 from tandem.bench.spec import OVERALL, PLAIN, WARMUP_TEXT, SpecCase, default_methods, parse_methods, run_spec_bench
 from tandem.bench.spec_hf import Baselines, load_transformers, pick_assistant
+from tandem.bench.steal import steal_notice
 from tandem.config import EngineConfig, StructuredOutput
 from tandem.llm import LLM
 from tandem.model.cost import forward_cost_curve
@@ -75,6 +76,9 @@ def bench_spec(args) -> dict:
     print_table(report)
     print_identity(report)
     print(f"total wall time {report['wall_seconds']:.0f} s")
+    notice = steal_notice(report["machine"].get("steal"))
+    if notice:
+        print(notice)
     write_outputs(report, args.json, args.plots)
     return report
 
