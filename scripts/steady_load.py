@@ -12,7 +12,11 @@ draft's source (`worth_asking`) and how many drafted.
 
 A mode is `off` or POLICY:ALGORITHM, with `@lookup=0` or `@corpus=0` after it as in `tandem
 bench serve` (confidence:dspark@lookup=0: the head alone). Timings are only comparable within one
-run.
+run, and even there engines of one configuration can read a few percent apart on a shared host, so
+each run also prints its *modelled* time: every round priced at the target's cached cost profile
+for the rows it computed (the curve the policies price with), which depends only on what was
+drafted and verified, and the ratio of `off`'s modelled time to each mode's (the first repetition's
+`off` run; drafting, bookkeeping and the rest of a round are left out of it).
 """
 
 from __future__ import annotations
@@ -28,12 +32,25 @@ from tandem.config import SamplingParams
 from tandem.engine.engine import Engine
 from tandem.llm import LLM
 from tandem.model.kernels import cpu_name, kernel_description
+from tandem.scheduler.profile import cost_curve_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_phases import timed
 
 PHASES = ("_decode_round", "_verify_forward", "_propose", "_draft_sources", "_commit_round", "_learn", "_prefill")
 CATEGORIES = ("multi_turn", "qa", "translation", "math_reasoning")
+
+
+def count_rows(rows: list[int]) -> None:
+    """Append the rows of every verification forward (ModelRunner.verify_rows) to `rows`."""
+    inner = Engine._verify_forward
+
+    def wrapper(self, *args, **kwargs):
+        out, computed = inner(self, *args, **kwargs)
+        rows.append(computed)
+        return out, computed
+
+    Engine._verify_forward = wrapper
 
 
 def count_asking(llm: LLM, counts: Counter) -> None:
@@ -63,9 +80,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="kernel threads (a server's default is 1 on 2 cores)")
     args = parser.parse_args()
+    if len(set(args.modes)) != len(args.modes):
+        raise SystemExit("a mode named twice would decode its prompts again against its own earlier answers "
+                         "(suffix decoding keeps them)")
     seconds, calls = defaultdict(float), Counter()
     for name in PHASES:
         timed(seconds, calls, name)
+    rows: list[int] = []  # the rows each verification forward computed, this run
+    count_rows(rows)
     # The prompts `tandem bench serve` sends: round-robin over these subtasks (the MT-Bench ones are
     # multi_turn there), so both measure the same mix.
     questions = [p.text for p in spread_prompts(10**6) if p.category in CATEGORIES][: args.requests * args.repeats]
@@ -87,6 +109,9 @@ def main() -> None:
         if getattr(llms[mode].engine.policy, "prices_sources", False):
             count_asking(llms[mode], asking[mode])
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    first = next(iter(llms.values()))
+    profile = cost_curve_for(first.loaded, first.config.device, args.threads)
+    modelled_off = {}  # repetition -> off's modelled seconds
     print(f"{cpu_name()}, {kernel_description()}, {args.threads} kernel thread(s): {args.batch} requests in flight, "
           f"{args.requests} per run, {args.max_tokens} tokens each")
     for rep in range(args.repeats):
@@ -96,6 +121,7 @@ def main() -> None:
             prompts = [llms[mode].encode(text, chat=True) for text in batch_prompts]
             seconds.clear()
             calls.clear()
+            rows.clear()
             asking[mode].clear()
             drafted0, accepted0 = engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens
             started, live, start = 0, 0, time.perf_counter()
@@ -111,8 +137,13 @@ def main() -> None:
             verified = (engine.stats.num_draft_tokens - drafted0) / rounds
             accepted = (engine.stats.num_accepted_tokens - accepted0) / rounds
             asked = f"  asked {asking[mode]['asked']}, drafted {asking[mode]['drafted']}" if asking[mode] else ""
-            print(f"run {rep + 1} {mode:22s} {wall:6.2f} s, {rounds} rounds, draft tokens a round "
-                  f"{verified:.2f} verified / {accepted:.2f} accepted; ms a round: {phases}{asked}", flush=True)
+            modelled = sum(profile(n) for n in rows)
+            if mode == "off":
+                modelled_off[rep] = modelled
+            ratio = f" ({modelled_off[rep] / modelled:.3f}x off)" if rep in modelled_off else ""
+            print(f"run {rep + 1} {mode:22s} {wall:6.2f} s, modelled {modelled:.2f} s{ratio}, {rounds} rounds, draft "
+                  f"tokens a round {verified:.2f} verified / {accepted:.2f} accepted; ms a round: {phases}{asked}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ def slots(n, limit=6, prefix="r"):
     return [DraftSlot(f"{prefix}{i}", limit) for i in range(n)]
 
 
-def teach(policy, request_id, accepted_of, rounds=12):
-    """Feed rounds in which the request drafted `accepted_of[1]` tokens and `accepted_of[0]` passed."""
+def teach(policy, request_id, accepted_of, rounds=40):
+    """Feed rounds in which the request drafted `accepted_of[1]` tokens and `accepted_of[0]` passed
+    (40 by default: a request's moving average keeps about ten rounds, REQUEST_EMA)."""
     accepted, drafted = accepted_of
     for _ in range(rounds):
         policy.observe(request_id, drafted, accepted)
@@ -86,7 +87,7 @@ def test_acceptance_history_moves_the_length():
     p = adaptive(CPU, k=6)
     teach(p, "r", (6, 6))
     high = p.draft_lengths([DraftSlot("r", 6)])[0]
-    teach(p, "r", (0, high), rounds=8)
+    teach(p, "r", (0, high), rounds=20)  # two memories of failures at the first token
     low = p.draft_lengths([DraftSlot("r", 6)])[0]
     assert high > 0 and low < high
 
