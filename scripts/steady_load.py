@@ -15,8 +15,8 @@ bench serve` (confidence:dspark@lookup=0: the head alone). Timings are only comp
 run, and even there engines of one configuration can read a few percent apart on a shared host, so
 each run also prints its *modelled* time: every round priced at the target's cached cost profile
 for the rows it computed (the curve the policies price with), which depends only on what was
-drafted and verified, and the ratio of `off`'s modelled time to each mode's (the first repetition's
-`off` run; drafting, bookkeeping and the rest of a round are left out of it).
+drafted and verified, and the ratio of the same repetition's `off` modelled time to it (drafting,
+bookkeeping and the rest of a round are left out).
 """
 
 from __future__ import annotations

@@ -384,8 +384,9 @@ def bench_serve(args) -> dict:
                     "launched": [m for m in urls if m not in given], "threads": args.threads, "machine": machine}
 
         def save(report):
-            if steal.share() is not None:  # the sweep so far
-                machine["steal"] = round(steal.share(), 4)
+            share = steal.share()
+            if share is not None:  # the sweep so far
+                machine["steal"] = round(share, 4)
             if args.out:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps({**report, **settings}, indent=2))
