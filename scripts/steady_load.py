@@ -37,7 +37,7 @@ from tandem.scheduler.profile import cost_curve_for
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_phases import timed
 
-PHASES = ("_decode_round", "_verify_forward", "_propose", "_draft_sources", "_commit_round", "_learn", "_prefill")
+PHASES = ("_decode_round", "_verify_forward", "_propose", "_commit_round", "_learn", "_prefill")
 CATEGORIES = ("multi_turn", "qa", "translation", "math_reasoning")
 
 

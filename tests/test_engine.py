@@ -9,7 +9,7 @@ from conftest import tiny_loaded
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters import Drafter, DrafterNeeds, register
 from tandem.llm import LLM
-from tandem.engine.engine import POOR_DRAFTER_TAU, poor_drafter
+from tandem.engine.drafting import POOR_DRAFTER_TAU, poor_drafter
 from tandem.types import Draft, SpecStats
 
 PROMPTS = [[5, 17, 33, 8, 91, 4], [60, 61, 62], [7] * 11 + [12, 13]]

@@ -15,14 +15,9 @@ from collections import deque
 import torch
 
 from tandem.config import EngineConfig, SamplingParams
-from tandem.drafters import (
-    Drafter,
-    DraftInput,
-    DraftOutcome,
-    TargetInfo,
-    create_drafter,
-)
+from tandem.drafters import Drafter, DraftOutcome
 from tandem.engine.admission import Admission
+from tandem.engine.drafting import Drafting
 from tandem.engine.request import Request
 from tandem.engine.rounds import RoundCounts, StepUpdate, chunk_inputs, round_origins
 from tandem.grammar import GrammarCompiler
@@ -31,14 +26,12 @@ from tandem.model.loader import LoadedModel
 from tandem.model.runner import ForwardOutput, ModelRunner, SeqInput
 from tandem.sampling import NonFiniteLogitsError, make_generator, native_sampling, token_logprobs
 from tandem.scheduler.cost_model import CostCurve
-from tandem.scheduler.factory import create_policy
-from tandem.scheduler.policy import DraftSlot, SpeculationPolicy
+from tandem.scheduler.policy import SpeculationPolicy
 from tandem.types import Draft, GreedyRows, SpecStats, rooted_parents, tree_paths
 from tandem.verify import grading
 
 log = logging.getLogger("tandem.engine")
 
-POOR_DRAFTER_TAU = 2.0
 LOG_EVERY_S = 10.0
 PROMPT_LOGPROBS_ROWS = 128  # prompt rows per forward for prompt logprobs ([rows, V] fp32 logits)
 
@@ -58,18 +51,9 @@ class Engine:
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
-        self.drafter: Drafter | None = None
-        self.policy: SpeculationPolicy | None = None
-        if config.spec.algorithm:
-            target = TargetInfo.of(loaded, tuple(self.eos_ids), config.device)
-            self.drafter = create_drafter(config.spec, target)
-            if config.spec.policy == "confidence" and not self.drafter.reports_confidences:
-                raise ValueError(
-                    f"the confidence scheduler prices drafts by the confidences their drafter reports, and "
-                    f"{config.spec.algorithm} reports none: use it with dflash, dspark or suffix, or choose "
-                    "--speculative-policy adaptive or fixed")
-            self.policy = create_policy(config.spec, cost_curve, self.drafter.cost_per_round, self.runner.verify_rows,
-                                        self.drafter.source_names)
+        # The drafter, its speculation policy and the round's proposal step (None: plain decoding).
+        self.drafting = (Drafting.create(loaded, config, cost_curve, self.eos_ids, self.runner.verify_rows,
+                                         self.cache) if config.spec.algorithm else None)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted (a cache row each), prompt not yet all in the cache
@@ -77,6 +61,24 @@ class Engine:
         self.stats = SpecStats()
         self._ids = itertools.count()
         self._last_log = time.perf_counter()
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.drafting.drafter if self.drafting is not None else None
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter) -> None:
+        """Replace the drafter of an engine that has one (bench/spec.py wraps it in a probe)."""
+        self.drafting.drafter = drafter
+
+    @property
+    def policy(self) -> SpeculationPolicy | None:
+        return self.drafting.policy if self.drafting is not None else None
+
+    @policy.setter
+    def policy(self, policy: SpeculationPolicy) -> None:
+        """Replace the policy of an engine that has a drafter (tests put broken schedulers in)."""
+        self.drafting.policy = policy
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -332,93 +334,9 @@ class Engine:
             self.drafter.observe(outcomes)
 
     def _propose(self, batch: list[Request], contexts: list[int]) -> list[Draft]:
-        if self.drafter is None:
+        if self.drafting is None:
             return [Draft.empty() for _ in batch]
-        # The policy decides every length before anything is drafted (non-anticipation).
-        slots = [DraftSlot(r.request_id, self._draft_budget(r), context=c,
-                           backlog=len(r.hidden) + self.drafter.waiting_rows(r.request_id))
-                 for r, c in zip(batch, contexts)]
-        worth = self.policy.worth_asking(slots)
-        if not any(worth):  # nothing could pay: no drafter is asked anything
-            self.policy.skip_round(slots)
-            return [Draft.empty() for _ in batch]
-        # A request whose draft could not pay even at its best is not asked anything either.
-        slots = [s if w else dataclasses.replace(s, limit=0) for s, w in zip(slots, worth)]
-        asking = time.perf_counter()
-        sources = self._draft_sources(batch, slots) if self.policy.prices_sources else None
-        if sources is not None:
-            slots = [dataclasses.replace(s, source=source) for s, source in zip(slots, sources)]
-        budgets = self.policy.draft_lengths(slots)
-        self.policy.observe_asking(time.perf_counter() - asking, len(batch))
-        inputs, rows = [], []
-        for i, (req, k) in enumerate(zip(batch, budgets)):
-            if k > 0:
-                rows.append(i)
-                inputs.append(
-                    DraftInput(req.request_id, req.context, len(req.prompt_ids), k, req.params,
-                               req.generator_on(self.drafter.sampling_device), req.hidden.take())
-                )
-        drafts = [Draft.empty() for _ in batch]
-        t0 = time.perf_counter()
-        proposed = self.drafter.propose(inputs) if inputs else []
-        pruned = [d.pruned(inp.max_draft_tokens, self._cache_room(batch[i])) for i, inp, d in zip(rows, inputs, proposed)]
-        # What to verify of each draft: the same rules as the lengths, decided for the batch at once.
-        drafting = set(rows)
-        others = [c for i, c in enumerate(contexts) if i not in drafting]
-        admitted = self.policy.admit([inp.request_id for inp in inputs], pruned, len(batch),
-                                     [contexts[i] for i in rows] + others)
-        for i, draft in zip(rows, admitted):
-            drafts[i] = draft
-        if inputs:
-            self._learn_draft_time(time.perf_counter() - t0, [i for i in rows if sources is None or sources[i] != "lookup"],
-                                   slots, drafts)
-        return drafts
-
-    def _learn_draft_time(self, seconds: float, drafted: list[int], slots: list[DraftSlot], drafts: list[Draft]) -> None:
-        """The policy learns the drafting time of the requests a drafter drafted (a lookup's
-        drafts cost none): per request for a drafter whose cost is per round, per draft token
-        otherwise. A round in which some had more hidden rows to catch up on than one round
-        commits (a request's first draft: its whole prompt, 15 ms for 300 tokens with dspark
-        against 1 ms a round; a head's first draft after lookup rounds) is a one-off cost, which
-        the policy learns apart (observe_catch_up)."""
-        units = len(drafted) if self.drafter.cost_per_round else sum(drafts[i].depth for i in drafted)
-        if not units:
-            return
-        most = self.config.spec.max_draft_len + 1
-        if all(slots[i].backlog <= most for i in drafted):
-            self.policy.observe_draft_time(seconds, units)
-        else:
-            self.policy.observe_catch_up(seconds, sum(slots[i].backlog for i in drafted), units)
-
-    def _draft_sources(self, batch: list[Request], slots: list[DraftSlot]) -> list[str] | None:
-        """Which source each request's draft would come from this round (Drafter.draft_sources),
-        asked before the policy decides; "" for requests that may not draft."""
-        may = [i for i, s in enumerate(slots) if s.limit > 0]
-        if not may:
-            return None
-        peeks = [DraftInput(batch[i].request_id, batch[i].context, len(batch[i].prompt_ids), slots[i].limit,
-                            batch[i].params, batch[i].generator) for i in may]
-        found = self.drafter.draft_sources(peeks)
-        if found is None:
-            return None
-        sources = [""] * len(slots)
-        for i, source in zip(may, found):
-            sources[i] = source
-        return sources
-
-    def _draft_budget(self, req: Request) -> int:
-        """The most draft tokens this request may use this round (the policy picks within it):
-        the configured length or the request's own (params.max_draft_tokens), never past its
-        max_tokens (the bonus token is free) or the cache's end."""
-        remaining = req.params.max_tokens - len(req.output_ids) - 1
-        longest = self.config.spec.max_draft_len
-        if req.params.max_draft_tokens is not None:
-            longest = min(longest, req.params.max_draft_tokens)
-        return max(0, min(longest, remaining, self._cache_room(req)))
-
-    def _cache_room(self, req: Request) -> int:
-        """How many draft tokens (tree nodes) fit in the cache after next_token."""
-        return self.config.max_model_len - self.cache.lengths[req.seq] - 1
+        return self.drafting.propose(batch, contexts)
 
     def _sample_one(self, logits: torch.Tensor, req: Request, shift: torch.Tensor | None,
                     greedy: GreedyRows | None) -> int:
@@ -473,35 +391,12 @@ class Engine:
             self.prefilling.remove(req)
         if req.seq is not None:
             self.admission.release(req)
-        if self.drafter is not None:
-            self.drafter.release(req.request_id)
-            self.policy.release(req.request_id)
+        if self.drafting is not None:
+            self.drafting.release(req.request_id)
 
     def _maybe_log(self) -> None:
         now = time.perf_counter()
-        if self.drafter is None or now - self._last_log < LOG_EVERY_S or not self.stats.num_drafts:
+        if self.drafting is None or now - self._last_log < LOG_EVERY_S or not self.stats.num_drafts:
             return
         self._last_log = now
-        s = self.stats
-        log.info(
-            "spec %s: acceptance rate %.2f, mean acceptance length (tau) %.2f over %d forwards; %d of them "
-            "verified a draft (%.1f draft tokens on average, tau %.2f)",
-            self.config.spec.algorithm, s.acceptance_rate, s.mean_acceptance_length, s.num_forwards, s.num_drafts,
-            s.num_draft_tokens / s.num_drafts, s.drafted_tau,
-        )
-        if poor_drafter(s):
-            log.warning(
-                "tau %.2f < %.1f in the rounds that verified %.1f draft tokens on average: the drafter %r is a poor "
-                "match for this target; swap the drafter rather than raising the number of draft tokens",
-                s.drafted_tau, POOR_DRAFTER_TAU, s.num_draft_tokens / s.num_drafts, self.config.spec.algorithm,
-            )
-
-
-def poor_drafter(stats: SpecStats) -> bool:
-    """Whether the drafter itself holds tau under POOR_DRAFTER_TAU: judged on the rounds that
-    verified a draft, once there are 20, and only where those drafts averaged at least two tokens.
-    Rounds the policy drafted nothing in (a loaded server) say nothing of the drafter, and a draft
-    the policy cut to one token cannot reach tau 2 however good it is."""
-    if stats.num_drafts < 20 or stats.num_draft_tokens < 2 * stats.num_drafts:
-        return False
-    return stats.drafted_tau < POOR_DRAFTER_TAU
+        self.drafting.log_acceptance(self.stats)
