@@ -334,7 +334,7 @@ def test_placing_weights_in_one_buffer_changes_their_addresses_not_their_product
 def test_the_fused_decoder_streams_its_weights_from_one_buffer():
     _, model = block_model("llama")
     fused = runner_for(model).fused
-    weights = [w for p in fused._parts for w in (p.qkv, p.o, p.gate_up, p.down)] + [fused._head]
+    weights = [w for p in fused._parts for w in p.linears] + [fused._head]
     storages = {w.packed.untyped_storage().data_ptr() for w in weights}
     assert len(storages) == 1
     starts = [w.packed.data_ptr() for w in weights]

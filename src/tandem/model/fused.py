@@ -66,7 +66,7 @@ class FusedDecoder:
         self._head = model.lm_head.blocks(kernels) if head_on_blocks else None
         self._final_norm = model.norm.weight.detach().float().contiguous()
         # Every weight a forward streams, back to back in the order it reads them (arena.py).
-        streamed = [w for p in self._parts for w in (p.qkv, p.o, p.gate_up, p.down)]
+        streamed = [w for p in self._parts for w in p.linears]
         place_contiguously(streamed + ([self._head] if self._head is not None else []))
         self._layers = decoder_layers(self._parts)
 

@@ -7,8 +7,6 @@ read the cache. `native` quantization runs the GGUF's own 4-bit blocks (gguf_nat
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import json
 import logging
@@ -30,6 +28,7 @@ from tandem.model.fused import fused_eligible
 from tandem.model.gguf_source import GGUFSource
 from tandem.model.kernels import block_kernels
 from tandem.model.kv_cache import kv_cache_dtype
+from tandem.model.libc import trim_heap
 from tandem.model.quant import DenseLinear, quantize_linear
 from tandem.model.transformer import TransformerLM
 
@@ -222,10 +221,7 @@ def return_freed_memory() -> None:
     """Hand the heap memory that loading freed (GGUF blocks read, dequantized and repacked: about
     160 MB for SmolLM2) back to the OS: glibc keeps freed heap pages resident until trimmed."""
     gc.collect()
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    if trim is not None:
-        trim(0)
+    trim_heap()
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, desc: str = "building model") -> TransformerLM:

@@ -11,38 +11,22 @@ tables every 4 KiB. Only addresses change: every number the kernels compute is t
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import sys
 from collections.abc import Sequence
 
 import torch
 
 from tandem.model.kernels.records import BlockWeights
+from tandem.model.libc import advise_huge_pages
 
 log = logging.getLogger("tandem.kernels")
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # every tensor starts on a cache line
-MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
 def _aligned(n: int, to: int) -> int:
     return (n + to - 1) // to * to
-
-
-def _ask_for_huge_pages(address: int, length: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on [address, address + length) before it is first touched; False
-    where the OS has no such advice or refuses it (the buffer then works as it is)."""
-    if not sys.platform.startswith("linux") or length <= 0:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(address, length, MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def place_contiguously(weights: Sequence[BlockWeights]) -> torch.Tensor | None:
@@ -57,7 +41,7 @@ def place_contiguously(weights: Sequence[BlockWeights]) -> torch.Tensor | None:
         return None
     buffer = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
     start = _aligned(buffer.data_ptr(), HUGE_PAGE) - buffer.data_ptr()
-    huge = _ask_for_huge_pages(buffer.data_ptr() + start, _aligned(total, HUGE_PAGE))
+    huge = advise_huge_pages(buffer.data_ptr() + start, _aligned(total, HUGE_PAGE))
     offset = start
     for w, tensors in zip(unique, parts):
         copies = []

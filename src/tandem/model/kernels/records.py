@@ -206,15 +206,20 @@ class BlockWeights:
                                int(m is not None))
 
     @property
+    def _held(self) -> list[str]:
+        """The names of the tensors the record points into (packed, pd, then pm and bias where
+        the layer has them)."""
+        return [name for name in self._TENSORS if getattr(self, name) is not None]
+
+    @property
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors the record points into, in `_TENSORS` order (packed, pd, then pm and bias
-        where the layer has them)."""
-        return [t for t in (getattr(self, name) for name in self._TENSORS) if t is not None]
+        """The tensors the record points into, in `_held` order."""
+        return [getattr(self, name) for name in self._held]
 
     def relocate(self, *copies: torch.Tensor) -> None:
         """Read from `copies` of `tensors` from now on (see arena.place_contiguously): the record
         is updated in place, so the native records that point to it follow."""
-        names = [name for name in self._TENSORS if getattr(self, name) is not None]
+        names = self._held
         if len(copies) != len(names):
             raise ValueError(f"relocate needs {len(names)} tensors ({', '.join(names)}), got {len(copies)}")
         for name, copy in zip(names, copies):
@@ -260,6 +265,11 @@ class LayerParts:
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
     post_mlp_norm: torch.Tensor | None = None
+
+    @property
+    def linears(self) -> list[BlockWeights]:
+        """The layer's packed weights in the order a forward reads them."""
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 def decoder_layers(layers: list[LayerParts]) -> ctypes.Array:
