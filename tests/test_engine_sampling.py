@@ -43,6 +43,7 @@ from conftest import ToyTokenizer, tiny_loaded
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.drafters import DraftInput, TargetInfo, create_drafter, draft_model
 from tandem.drafters.draft_model import DraftModelDrafter
+from tandem.engine import drafting as drafting_module
 from tandem.engine import engine as engine_module
 from tandem.engine.engine import Engine
 from tandem.model.arch import model_config_from_hf
@@ -374,8 +375,8 @@ def run_adaptive(waves: list[int]):
     """Waves of requests under the adaptive policy -> (requests, their wave sizes, engine,
     Counter of (limit, chosen length) over request-rounds).
 
-    The engine's clock is frozen: the policy then corrects its profile by no measured time (it
-    ignores rounds of 0 s), so its choices depend on the load and the acceptance history only,
+    The engine's clock is frozen (the step's and the drafting's): the policy then corrects its
+    profile by no measured time (it ignores rounds of 0 s), so its choices depend on the load and the acceptance history only,
     and the test is deterministic. Reading past rounds' times is allowed; it just is not
     reproducible."""
     chosen = collections.Counter()
@@ -390,7 +391,8 @@ def run_adaptive(waves: list[int]):
 
         engine.policy.draft_lengths = draft_lengths
 
-    with mock.patch.object(engine_module, "time", SimpleNamespace(perf_counter=lambda: 0.0)):
+    frozen = SimpleNamespace(perf_counter=lambda: 0.0)
+    with mock.patch.object(engine_module, "time", frozen), mock.patch.object(drafting_module, "time", frozen):
         reqs, engine = run_engine(ADAPTIVE, waves, ADAPTIVE_PARAMS, cost_curve=ADAPTIVE_CURVE,
                                   max_num_seqs=max(WAVES), hook=spy_on_policy)
     sizes = [size for size in waves for _ in range(size)]
