@@ -35,7 +35,7 @@ from tandem.bench.prompts import spec_bench_prompts
 from tandem.bench.spec import WARMUP_TEXT, WARMUP_TOKENS, target_info
 from tandem.config import SamplingParams, SpecConfig
 from tandem.drafters import DraftInput, DraftOutcome
-from tandem.drafters.suffix import CORPUS_TRIE, GLOBAL_TRIE, OWN_TRIE, SuffixDrafter
+from tandem.drafters.suffix import SuffixDrafter
 from tandem.llm import LLM
 from tandem.model.kernels import cpu_name, kernel_description
 from tandem.model.kv_cache import KVCache
@@ -83,9 +83,9 @@ def chain_draft(drafter: SuffixDrafter, inp: DraftInput, max_nodes: int) -> tupl
 def tree_draft(drafter: SuffixDrafter, inp: DraftInput, max_nodes: int) -> tuple[list[int], list[int] | None]:
     """Every trie's draft and its runner-up first token, merged into a tree of at most max_nodes."""
     k = drafter.spec.num_draft_tokens
-    own = drafter._synced(inp).trie
+    own = drafter._synced(inp).trie  # the request's trie, brought up to its context
     paths: list[tuple[float, list[int]]] = []
-    for which, trie in ((OWN_TRIE, own), (GLOBAL_TRIE, drafter.global_trie), (CORPUS_TRIE, drafter.corpus_trie)):
+    for trie in (own, drafter.global_trie, drafter.corpus_trie):
         if trie is None:
             continue
         cursor, matched = trie.longest_match(inp.token_ids, drafter.max_match_len)
