@@ -136,12 +136,13 @@ def replay(answers: dict, shape: str, k: int, target) -> dict[str, Counter]:
     draft, max_nodes = (chain_draft, k) if shape == "chain" else (tree_draft, int(shape.split(":")[1]))
     drafter = SuffixDrafter(SpecConfig(algorithm="suffix", num_draft_tokens=k, policy="fixed"), target)
     stats: dict[str, Counter] = defaultdict(Counter)
+    generator = torch.Generator()  # greedy: never drawn from
     for i, case in enumerate(answers["cases"]):
         request, prompt, answer = f"r{i}", case["prompt"], case["answer"]
         done = 1  # the first token comes from the prompt's forward
         while done < len(answer):
             tokens, parents = draft(drafter, DraftInput(request, prompt + answer[:done], len(prompt), k, GREEDY,
-                                                        torch.Generator()), max_nodes)
+                                                        generator), max_nodes)
             n = accepted(tokens, parents, answer[done:])
             committed = answer[done: done + n + 1]
             drafter.observe([DraftOutcome(request, len(tokens), n, committed)])

@@ -110,7 +110,7 @@ def test_drafters_get_the_same_hidden_rows_from_a_chunked_prompt(fused):
     def recorded(size):
         e = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2, chunked_prefill_size=size,
                                        spec=SpecConfig("ngram", 2)))
-        e.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
+        e.drafting.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
         e.add_request([9, 10, 11], GREEDY, "a")
         e.step()
         e.add_request(LONG_PROMPT, GREEDY, "b")
@@ -274,7 +274,7 @@ def test_a_hit_hands_drafters_the_hidden_rows_of_the_reused_prefix(fused):
     def recorded(caching):
         e = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2, enable_prefix_caching=caching,
                                        spec=SpecConfig("ngram", 2)))
-        e.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
+        e.drafting.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
         a = served(e, LONG_PROMPT[:15], rid="a")
         served(e, a.context[:-1] + [60, 61, 62], rid="b")
         return e, e.drafter.seen["b"][0]
@@ -330,7 +330,7 @@ def test_a_copied_live_prefix_hands_drafters_its_hidden_rows(fused):
     def recorded(caching):
         e = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2, chunked_prefill_size=4,
                                        enable_prefix_caching=caching, spec=SpecConfig("ngram", 2)))
-        e.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
+        e.drafting.drafter = HiddenRecorder(e.config.spec, e.drafter.target)
         e.add_request(SYSTEM + [40, 41], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), "a")
         e.step()
         e.add_request(SYSTEM + [70, 71, 72], GREEDY, "b")

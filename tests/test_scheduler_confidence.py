@@ -416,7 +416,7 @@ DIP_CURVE = CostCurve((1, 2, 3), (1.0, 1.6, 1.6))
 def markov_engine(policy_cls=ConfidenceScheduler) -> Engine:
     eng = Engine(sharp_target(), EngineConfig(max_model_len=64, spec=SpecConfig("test_sched_markov", 2, policy="confidence")),
                  cost_curve=DIP_CURVE)
-    eng.policy = policy_cls(eng.config.spec, DIP_CURVE, eng.runner.verify_rows)
+    eng.drafting.policy = policy_cls(eng.config.spec, DIP_CURVE, eng.runner.verify_rows)
     return eng
 
 
@@ -458,7 +458,7 @@ def test_audit_passes_deterministic_drafts_admitted_past_the_dip():
     drafts are admitted past a dip; the sampled audit still passes."""
     eng = Engine(sharp_target(), EngineConfig(max_model_len=64, spec=SpecConfig("test_sched_lookup", 2, policy="confidence")),
                  cost_curve=DIP_CURVE)
-    eng.policy = ConfidenceScheduler(eng.config.spec, DIP_CURVE, eng.runner.verify_rows)
+    eng.drafting.policy = ConfidenceScheduler(eng.config.spec, DIP_CURVE, eng.runner.verify_rows)
     rounds, checks = scheduled_audit(eng, SAMPLED, rounds=1500, batch=1)
     assert {len(r.draft) for r in rounds} == {0, 2}
     ran = [c for c in checks if c.passed is not None]

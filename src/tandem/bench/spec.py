@@ -223,7 +223,7 @@ def _tandem_config(name: str, loaded, method: Method | None, num_draft_tokens: i
     llm = LLM.from_loaded(loaded, config, curve)
     probe = None
     if llm.engine.drafter is not None:
-        probe = llm.engine.drafter = ProbedDrafter(llm.engine.drafter)
+        probe = llm.engine.drafting.drafter = ProbedDrafter(llm.engine.drafter)
 
     def run(prompt_ids: list[int], max_new: int, seed: int) -> Run:
         params = SamplingParams(temperature=temperature, max_tokens=max_new, seed=seed, structured_output=structured_output)

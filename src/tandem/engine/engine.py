@@ -62,23 +62,15 @@ class Engine:
         self._ids = itertools.count()
         self._last_log = time.perf_counter()
 
+    # Read-only views of `drafting`'s parts; replace them there (bench/spec.py wraps the drafter
+    # in a probe, tests put other schedulers in).
     @property
     def drafter(self) -> Drafter | None:
         return self.drafting.drafter if self.drafting is not None else None
 
-    @drafter.setter
-    def drafter(self, drafter: Drafter) -> None:
-        """Replace the drafter of an engine that has one (bench/spec.py wraps it in a probe)."""
-        self.drafting.drafter = drafter
-
     @property
     def policy(self) -> SpeculationPolicy | None:
         return self.drafting.policy if self.drafting is not None else None
-
-    @policy.setter
-    def policy(self, policy: SpeculationPolicy) -> None:
-        """Replace the policy of an engine that has a drafter (tests put broken schedulers in)."""
-        self.drafting.policy = policy
 
     # ---- requests -------------------------------------------------------------------------
 
