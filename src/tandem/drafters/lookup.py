@@ -34,7 +34,9 @@ from tandem.types import Draft
 # lookup round costs no drafting: on the Zen 5, three alternating runs each of Spec-Bench --limit 2
 # (docs/drafters.md) gave dflash 1.11-1.20x plain with 1 against 1.07-1.12x with 2 (dspark
 # alike), and eagle3 1.07-1.12x against 1.07-1.11x, although their tau fell (dflash 1.77 -> 1.67,
-# eagle3 2.03 -> 1.80).
+# eagle3 2.03 -> 1.80). Choosing by the lookup's evidence (match length, own text) instead lifts
+# eagle3's tau to 2.11 and still loses to suffix decoding alone (docs/drafters.md, "Heads with the
+# lookup"): a head round costs more than its extra tokens bring.
 LOOKUP_MIN_TOKENS = 1
 
 
