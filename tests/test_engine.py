@@ -123,6 +123,7 @@ def test_stop_token_and_stop_string_and_max_tokens():
     first = base.index(stop_tok)
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
     assert out.token_ids == base[: first + 1] and out.finish_reason == "stop"
+    assert out.text == "".join(f"<{t}>" for t in base[:first])  # the stop token's text is not the answer's (vLLM)
     stop_str = f"<{base[4]}><{base[5]}>"
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop=(stop_str,), ignore_eos=True))[0]
     assert stop_str not in out.text and out.finish_reason == "stop"

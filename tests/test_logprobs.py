@@ -14,7 +14,7 @@ from tandem.llm import LLM
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 from tandem.sampling import token_logprobs
-from tandem.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from tandem.server.logprobs import TextOffsets, TokenStrings, chat_logprobs, completion_logprobs
 from test_engine import PROMPTS, _install_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -142,13 +142,49 @@ def test_response_shapes():
 
     strings = TokenStrings(ByteLevelTokenizer())
     entries = [TokenLogprob(0, -0.5, ((0, -0.5), (3, -1.5))), TokenLogprob(1, -2.0, ((0, -0.1),))]
-    legacy = completion_logprobs(entries, strings, offset=4)
+    legacy = completion_logprobs(entries, strings, TextOffsets(4))
     assert legacy.tokens == [" hi", "bytes:\\xc3"] and legacy.token_logprobs == [-0.5, -2.0]
     assert legacy.text_offset == [4, 7]
     assert legacy.top_logprobs == [{" hi": -0.5, "<|end|>": -1.5}, {" hi": -0.1, "bytes:\\xc3": -2.0}]
     chat = chat_logprobs(entries, strings)
     assert [c.token for c in chat.content] == [" hi", "bytes:\\xc3"] and chat.content[1].bytes == [0xC3]
     assert [t.token for t in chat.content[0].top_logprobs] == [" hi", "<|end|>"]
+
+
+def test_text_offsets_count_characters_of_the_choice_text():
+    """text_offset is where each token's text starts in the choice's text, in characters: both
+    tokens of a split character start where the character does, a special token adds nothing
+    (the choice's text skips it), and the offsets carry on across a stream's chunks."""
+    from tandem.types import TokenLogprob
+
+    strings = TokenStrings(ByteLevelTokenizer())
+    ids = [0, 1, 2, 0, 1, 2, 3]  # " hi" + "é" + " hi" + "é" + <|end|>: the text " hié hié", 8 characters
+    offsets = TextOffsets()
+    first = completion_logprobs([TokenLogprob(i, -1.0, ()) for i in ids[:2]], strings, offsets)
+    rest = completion_logprobs([TokenLogprob(i, -1.0, ()) for i in ids[2:]], strings, offsets)
+    assert first.text_offset + rest.text_offset == [0, 3, 3, 4, 7, 7, 8]
+    assert offsets.chars == len(" hié hié")
+
+
+@pytest.mark.slow
+def test_text_offsets_on_the_real_tokenizer():
+    """On the default model's byte-level tokenizer, text whose characters span several tokens:
+    each token's offset is where the complete characters before it end."""
+    from transformers import AutoTokenizer
+
+    from tandem.model.catalogue import DEFAULT_MODEL, resolve_model
+    from tandem.model.loader import _ensure_gguf_metadata
+
+    src = resolve_model(DEFAULT_MODEL)
+    _ensure_gguf_metadata(src)
+    tok = AutoTokenizer.from_pretrained(str(src.hf_dir))
+    text = "日本語で挨拶してください。🙂 hi é, naïve café"
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    strings, offsets = TokenStrings(tok), TextOffsets()
+    got = [offsets.next(strings.in_text(i)) for i in ids]
+    assert got == [len(tok.decode(ids[:i], skip_special_tokens=True).rstrip("\ufffd")) for i in range(len(ids))]
+    assert offsets.chars == len(tok.decode(ids, skip_special_tokens=True)) == len(text)
+    assert any(strings(i)[0].startswith("bytes:") for i in ids)  # the text does split characters
 
 
 def test_prompt_logprobs_are_the_targets_log_softmax_over_the_prompt():

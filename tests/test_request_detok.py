@@ -79,20 +79,24 @@ class OldRequest:
         self.emitted_text_len = 0
 
     def append(self, tokens, tokenizer) -> int:
-        kept, p = 0, self.params
+        kept, p, stop_token = 0, self.params, False
         for tok in tokens:
             if self.finish_reason is not None:
                 break
             self.output_ids.append(tok)
             kept += 1
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            if tok in self.eos_ids and not p.ignore_eos:
                 self.finish_reason = "stop"
+            elif tok in p.stop_token_ids:
+                self.finish_reason, stop_token = "stop", True
             elif p.stop and self._hit_stop_string(tokenizer):
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= p.max_tokens:
                 self.finish_reason = "length"
         if self.finish_reason is None or not p.stop or self.finish_reason != "stop":
             self.text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        if stop_token:  # a stop token's text is not the answer's
+            self.text = tokenizer.decode(self.output_ids[:-1], skip_special_tokens=True)
         return kept
 
     def take_new_text(self) -> str:

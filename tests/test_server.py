@@ -9,6 +9,7 @@ import concurrent.futures
 import dataclasses
 import json
 import math
+import re
 import time
 
 import httpx
@@ -93,6 +94,9 @@ def test_models_health_and_unknown_route(spec_server):
     server, _ = spec_server
     models = client(server).models.list()
     assert [m.id for m in models.data] == [NAME]
+    assert client(server).models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("other")
     base = server.url.removesuffix("/v1")
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     r = httpx.get(f"{base}/v1/nothing")
@@ -336,6 +340,23 @@ def test_n_choices_with_seeds(plain_server):
     assert [texts[i] for i in range(3)] == [ch.text for ch in a.choices]
 
 
+def test_stop_token_ids_end_the_choice_without_their_text(spec_server):
+    """vLLM's stop_token_ids: the answer ends after the first of them, which counts as a
+    completion token and leaves no text, and unknown fields are ignored."""
+    server, engine = spec_server
+    full = httpx.post(server.url + "/completions", json={"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                                                        "ignore_eos": True}, timeout=30).json()
+    ids = [int(t) for t in re.findall(r"<(\d+)>", full["choices"][0]["text"])]
+    stop = ids[4]
+    cut = httpx.post(server.url + "/completions", json={"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                                                       "ignore_eos": True, "stop_token_ids": [stop],
+                                                       "best_of": 1}, timeout=30).json()
+    first = ids.index(stop)
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["text"] == "".join(f"<{t}>" for t in ids[:first])
+    assert cut["usage"]["completion_tokens"] == first + 1
+
+
 def test_stop_string_ends_the_choice(spec_server):
     server, _ = spec_server
     c = client(server)
@@ -429,11 +450,11 @@ ERRORS = [
     ("/completions", {"prompt": [1, 2], "n": 1000}, 400, "n"),
     ("/completions", {"prompt": [1, 2], "stop": [""]}, 400, "stop"),
     ("/completions", {"prompt": [1, 2], "logprobs": 21}, 400, "logprobs"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "echo": True}, 400, None),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "echo": True}, 400, "echo"),
     ("/completions", {"prompt": [1, 2], "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/completions", {"prompt": [1, 2], "logit_bias": {"500": 1}}, 400, "logit_bias"),
-    ("/completions", {"prompt": [1, 2], "logit_bias": {"5": 101}}, 400, None),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}, 400, None),
+    ("/completions", {"prompt": [1, 2], "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "logprobs": True, "top_logprobs": 30}, 400,
      "top_logprobs"),
     ("/completions", {"prompt": [1, 2], "seed": 2**70}, 400, "seed"),
@@ -448,13 +469,25 @@ ERRORS = [
     ("/completions", {"prompt": [1, 2], "frequency_penalty": -3}, 400, "frequency_penalty"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "1 2"}], "model": "nope"}, 404, "model"),
     ("/chat/completions", {"messages": [{"role": "user", "content": " ".join(["1"] * MAX_LEN)}]}, 400, "messages"),
+    # a lone UTF-16 surrogate (JSON's "\ud800" without its pair) anywhere: no tokenizer or grammar takes it
+    ("/completions", {"prompt": "1 \ud800"}, 400, "prompt"),
+    ("/completions", {"prompt": ["1", "2 \udc00"]}, 400, "prompt.1"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1 \ud800"}]}, 400, "messages.0.content"),
+    ("/completions", {"prompt": [1, 2], "stop": ["\ud800"]}, 400, "stop.0"),
+    ("/completions", {"prompt": [True, False]}, 400, "prompt"),  # not token ids
+    ("/completions", {"prompt": [1, 2], "temperature": float("nan")}, 400, "temperature"),
+    ("/completions", {"prompt": [1, 2], "stop_token_ids": [500]}, 400, "stop_token_ids"),
+    ("/completions", {"prompt": [1, 2], "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens"),
+    ("/completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ]
 
 
 @pytest.mark.parametrize("path, body, status, param", ERRORS)
 def test_errors_use_the_openai_body(spec_server, path, body, status, param):
     server, _ = spec_server
-    r = httpx.post(server.url + path, json=body, timeout=30)
+    # json.dumps escapes lone surrogates as JSON does ("\ud800") and writes NaN as Python's json reads it
+    r = httpx.post(server.url + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}

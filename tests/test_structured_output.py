@@ -395,6 +395,7 @@ def test_a_required_tool_call_names_one_of_the_tools(chat_server):
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_weather", "add")
     schema = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]["parameters"]
     assert set(json.loads(call.function.arguments)) == set(schema["required"])
+    assert call.function.arguments == json.dumps(json.loads(call.function.arguments), separators=(",", ":"))  # compact
     # auto (the default with tools) and none answer in text
     for choice in ("auto", "none"):
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1 + 2?"}], max_tokens=8,
@@ -403,11 +404,13 @@ def test_a_required_tool_call_names_one_of_the_tools(chat_server):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, None),
-    ({"tool_choice": "required"}, None),
-    ({"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}}, None),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required", "tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]},
+     "tools"),
     ({"tools": [{"type": "retrieval"}]}, None),
-    ({"functions": [{"name": "f"}]}, None),
+    ({"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_bad_tool_requests_are_a_400(chat_server, extra, param):
     import httpx

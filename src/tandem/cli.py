@@ -37,6 +37,8 @@ def llm_from_args(args):
 def cmd_generate(args) -> int:
     params = sampling_from_args(args)
     llm = llm_from_args(args)
+    if params.structured_output is not None:  # compiled once here, so tokens/s times decoding alone
+        llm.engine.grammars.check(params.structured_output)
     if args.json:
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
         t0 = time.perf_counter()
@@ -75,7 +77,12 @@ def cmd_generate(args) -> int:
             line = f"\n[{len(out.token_ids)} tokens in {seconds:.2f} s: {len(out.token_ids) / seconds:.1f} tokens/s"
             if llm.config.spec.algorithm:
                 line += f"; acceptance {out.spec.acceptance_rate:.2f}, tau {out.spec.mean_acceptance_length:.2f}"
-            print(line + f"; finish: {out.finish_reason}]", file=sys.stderr, flush=True)
+            line += f"; finish: {out.finish_reason}"
+            room = llm.config.max_model_len - len(out.prompt_token_ids)
+            if params.max_tokens > room:
+                line += (f" (--max-new-tokens {params.max_tokens}: the context of {llm.config.max_model_len} tokens "
+                         f"left room for {room})")
+            print(line + "]", file=sys.stderr, flush=True)
         if not interactive:
             return 0
 

@@ -82,7 +82,8 @@ class GrammarCompiler:
         return GrammarState(self._template(spec).deep_copy(), self.vocab_size, self.eos_ids)
 
     def _template(self, spec: StructuredOutput):
-        from llguidance import LLMatcher
+        import llguidance.torch  # noqa: F401  GrammarState's: its first import takes most of a second, paid
+        from llguidance import LLMatcher  # here (the server's tokenizer thread), not on the engine's thread
 
         text = grammar_text(spec)
         matcher = self._compiled.get(text)

@@ -181,14 +181,14 @@ class SpecStats:
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         positions = drafted if depth is None else depth
-        if len(self.accepted_per_position) < positions:
-            self.accepted_per_position.extend([0] * (positions - len(self.accepted_per_position)))
+        # Position i is graded when every earlier draft token passed; the first rejection ends it.
+        # Both lists reach the deepest position ever graded (one never graded passed nothing).
+        graded = min(positions, accepted + 1)
+        for counts in (self.accepted_per_position, self.graded_per_position):
+            if len(counts) < graded:
+                counts.extend([0] * (graded - len(counts)))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
-        # Position i is graded when every earlier draft token passed; the first rejection ends it.
-        graded = min(positions, accepted + 1)
-        if len(self.graded_per_position) < graded:
-            self.graded_per_position.extend([0] * (graded - len(self.graded_per_position)))
         for i in range(graded):
             self.graded_per_position[i] += 1
 

@@ -202,6 +202,7 @@ class Request:
         """
         kept = 0
         p = self.params
+        stop_token = False
         for i, tok in enumerate(tokens):
             if self.finished:
                 break
@@ -209,8 +210,10 @@ class Request:
             kept += 1
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            if tok in self.eos_ids and not p.ignore_eos:
                 self.finish_reason = "stop"
+            elif tok in p.stop_token_ids:
+                self.finish_reason, stop_token = "stop", True
             elif p.stop and self._hit_stop_string(tokenizer):
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= p.max_tokens:
@@ -220,6 +223,8 @@ class Request:
         # With stop strings `_hit_stop_string` has set the text already, with origins `_record_origin`.
         if kept and not p.stop and not p.token_origins:
             self.text = self._decode_output(tokenizer)
+        if stop_token:  # the token stays in the output's ids, its text does not (vLLM's rule)
+            self.text = self.text[: len(tokenizer.decode(self.output_ids[:-1], skip_special_tokens=True))]
         return kept
 
     def _record_origin(self, tokenizer, origin: str) -> None:

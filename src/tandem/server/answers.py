@@ -14,6 +14,7 @@ from fastapi import Request
 
 from tandem.server.async_engine import Delta, Generation
 from tandem.server.context import ServingContext
+from tandem.server.logprobs import TextOffsets
 from tandem.server.protocol import ChatCompletionRequest, NamedToolChoice, SamplingFields
 from tandem.server.responses import (
     AssistantMessage,
@@ -124,7 +125,7 @@ def tool_call_message(body: ChatCompletionRequest, text: str, reason: str | None
     else:
         try:
             call = json.loads(text)
-            name, arguments = call["name"], json.dumps(call["arguments"])
+            name, arguments = call["name"], json.dumps(call["arguments"], separators=(",", ":"), ensure_ascii=False)
         except (ValueError, KeyError, TypeError):  # a stop string cut the call short
             return AssistantMessage(content=text), reason
     tool_call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=ToolCallFunction(name=name, arguments=arguments))
@@ -132,16 +133,18 @@ def tool_call_message(body: ChatCompletionRequest, text: str, reason: str | None
 
 
 async def choice_logprobs(ctx: ServingContext, echo: Echo | None, choice: int,
-                          prompt_entries: list | None, entries: list) -> CompletionLogprobs:
+                          prompt_entries: list | None, entries: list,
+                          offsets: TextOffsets | None = None) -> CompletionLogprobs:
     """A choice's legacy logprobs: with echo its prompt tokens' first (the first one's null),
     then its generated tokens' (none with max_tokens 0), whose text offsets continue from the
-    end of the prompt's text."""
+    end of the prompt's text; offsets: where the generated tokens' text starts (a stream's, which
+    goes on moving), else from there."""
     if echo is None:
-        return await ctx.completion_logprobs(entries, 0)
-    scored = await ctx.completion_logprobs(prompt_entries, 0, unscored=echo.prompt(choice)[0])
+        return await ctx.completion_logprobs(entries, offsets or TextOffsets())
+    scored = await ctx.completion_logprobs(prompt_entries, TextOffsets(), unscored=echo.prompt(choice)[0])
     if echo.scoring_only:
         return scored
-    generated = await ctx.completion_logprobs(entries, len(echo.text(choice)))
+    generated = await ctx.completion_logprobs(entries, offsets or TextOffsets(len(echo.text(choice))))
     return CompletionLogprobs(**{field: getattr(scored, field) + getattr(generated, field)
                                  for field in CompletionLogprobs.model_fields})
 
@@ -204,7 +207,7 @@ def _error_event(delta: Delta) -> str:
 async def stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: int, include_usage: bool,
                              provenance: bool, echo: Echo | None) -> AsyncIterator[str]:
     finals: dict[int, Delta] = {}
-    text_offsets = [0] * len(gen.choices)  # where each choice's next token's text starts (logprobs)
+    text_offsets = [TextOffsets() for _ in gen.choices]  # where each choice's next token's text starts
     echoed = [echo is None] * len(gen.choices)  # with echo: whether the choice's prompt went out yet
     try:
         async for index, delta in gen:
@@ -218,15 +221,14 @@ async def stream_completion(ctx, gen: Generation, api_id: str, prompt_tokens: in
                 reason = reason and "length"
             if not echoed[index] and (delta.token_ids or reason is not None):  # the prompt first
                 echoed[index] = True
-                text_offsets[index] = len(echo.text(index))  # generated tokens' offsets follow the prompt's text
+                text_offsets[index] = TextOffsets(len(echo.text(index)))  # generated tokens follow the prompt's text
                 if delta.prompt_logprobs is not None:
-                    logprobs = await choice_logprobs(ctx, echo, index, delta.prompt_logprobs, entries or [])
-                    text_offsets[index] += sum(len(t) for t in logprobs.tokens[len(delta.prompt_logprobs):])
+                    logprobs = await choice_logprobs(ctx, echo, index, delta.prompt_logprobs, entries or [],
+                                                     text_offsets[index])
                     entries = None
                 text = echo.text(index) + text
             if entries:
                 logprobs = await ctx.completion_logprobs(entries, text_offsets[index])
-                text_offsets[index] += sum(len(t) for t in logprobs.tokens)
             if text or logprobs or reason is not None or (provenance and delta.round is not None):
                 choice = CompletionChoice(index=index, text=text, finish_reason=reason,
                                           provenance=_provenance(delta) if provenance else None, logprobs=logprobs)

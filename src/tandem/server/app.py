@@ -24,7 +24,7 @@ from tandem.server.async_engine import AsyncEngine, EngineStoppedError, QueueFul
 from tandem.server.context import APIError, ServingContext
 from tandem.server.guard import RequestGuard
 from tandem.server.playground import playground_html
-from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, FieldError, SamplingFields
 from tandem.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -83,6 +83,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             detail = (first.get("ctx") or {}).get("error", "")
             return error_response(400, f"the request body is not valid JSON: {detail}", "invalid_request_error")
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError):  # a model validator's error about one field
+            return error_response(400, str(cause), "invalid_request_error", cause.param)
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None  # loc starts with "body"
         if param is None and first.get("type") == "model_attributes_type":
             message = "the request body must be a JSON object (send Content-Type: application/json)"
@@ -112,12 +115,21 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def playground():
         return HTMLResponse(playground_html())
 
+    def model_card() -> ModelCard:
+        spec = engine.engine.config.spec
+        return ModelCard(id=model_name, max_model_len=ctx.max_model_len, speculative_algorithm=spec.algorithm,
+                         speculative_num_draft_tokens=spec.max_draft_len if spec.algorithm else 0)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models():
-        spec = engine.engine.config.spec
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=ctx.max_model_len,
-                                         speculative_algorithm=spec.algorithm,
-                                         speculative_num_draft_tokens=spec.max_draft_len if spec.algorithm else 0)])
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -171,7 +183,7 @@ async def _structured_output(ctx: ServingContext, body: SamplingFields) -> Struc
     a 400 naming the field it came from."""
     param = "structured_outputs" if body.structured_outputs is not None else "response_format"
     if getattr(body, "calls_tool", False) and body.structured_outputs is None and body.response_format is None:
-        param = "tool_choice"
+        param = "tools"  # the schema comes from the tools' parameters
     try:
         spec = body.structured_output()
         if spec is not None:
@@ -190,6 +202,12 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
         biases = body.token_biases(ctx.vocab_size)
     except ValueError as err:
         raise APIError(400, str(err), param="logit_bias") from err
+    bad = [t for t in body.stop_token_ids or () if not 0 <= t < ctx.vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})",
+                       param="stop_token_ids")
+    if body.ignored_fields:
+        log.warning("request fields tandem does not know, ignored: %s", ", ".join(body.ignored_fields))
     out = []
     engine = ctx.engine.engine
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -224,6 +242,7 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                     max_draft_tokens=body.speculative_num_draft_tokens, token_origins=body.return_provenance,
                     logprobs=body.logprobs_count, structured_output=structure,
                     prompt_logprobs=body.logprobs_count if body.echoes_prompt else None, logit_bias=biases,
+                    stop_token_ids=tuple(body.stop_token_ids or ()),
                 ))
             except ValueError as err:
                 raise APIError(400, str(err)) from err

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from tandem.grammar import GrammarCompiler
 from tandem.server.async_engine import AsyncEngine
-from tandem.server.logprobs import TokenStrings, chat_logprobs, completion_logprobs
+from tandem.server.logprobs import TextOffsets, TokenStrings, chat_logprobs, completion_logprobs
 from tandem.server.responses import ChatLogprobs, CompletionLogprobs
 from tandem.types import TokenLogprob
 
@@ -52,9 +52,9 @@ class ServingContext:
         """fn, which uses self.tokenizer, on the tokenizer's own thread."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    async def completion_logprobs(self, entries: list[TokenLogprob | None], offset: int,
+    async def completion_logprobs(self, entries: list[TokenLogprob | None], offsets: TextOffsets,
                                   unscored: int | None = None) -> CompletionLogprobs:
-        return await self.tokenize(lambda: completion_logprobs(entries, self.token_strings, offset, unscored))
+        return await self.tokenize(lambda: completion_logprobs(entries, self.token_strings, offsets, unscored))
 
     async def chat_logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         return await self.tokenize(lambda: chat_logprobs(entries, self.token_strings))

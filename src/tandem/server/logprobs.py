@@ -5,6 +5,8 @@ its tokenizer (ServingContext's)."""
 
 from __future__ import annotations
 
+import codecs
+
 from tandem.server.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from tandem.types import TokenLogprob
 
@@ -34,6 +36,16 @@ class TokenStrings:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._in_text: dict[int, bytes] = {}
+
+    def in_text(self, token_id: int) -> bytes:
+        """The bytes the token adds to a choice's text, which is decoded without special tokens:
+        its own bytes, none for a special token."""
+        found = self._in_text.get(token_id)
+        if found is None:
+            kept = self.tokenizer.decode([token_id], skip_special_tokens=True)
+            found = self._in_text[token_id] = bytes(self(token_id)[1]) if kept else b""
+        return found
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         found = self._cache.get(token_id)
@@ -65,17 +77,33 @@ def _piece_bytes(piece: str) -> bytes | None:
     return None
 
 
-def completion_logprobs(entries: list[TokenLogprob | None], strings: TokenStrings, offset: int,
+class TextOffsets:
+    """Where each next token's text starts in a choice's text, in characters: a token adds its
+    bytes (TokenStrings.in_text), and a character counts once its last byte has come, so every
+    token of a character split over several tokens starts where the character does."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, piece: bytes) -> int:
+        """The offset of a token adding `piece`; moves past it."""
+        offset = self.chars
+        self.chars += len(self._decoder.decode(piece))
+        return offset
+
+
+def completion_logprobs(entries: list[TokenLogprob | None], strings: TokenStrings, offsets: TextOffsets,
                         unscored: int | None = None) -> CompletionLogprobs:
-    """The completions shape of `entries`, the first token's text starting at `offset` of the
-    choice's text; `unscored`: the token of a leading None entry (an echoed prompt's first
-    token, which nothing predicts: null logprob and alternatives)."""
-    tokens, offsets, tops, values = [], [], [], []
+    """The completions shape of `entries`, their text offsets taken from `offsets` (which moves
+    past them); `unscored`: the token of a leading None entry (an echoed prompt's first token,
+    which nothing predicts: null logprob and alternatives)."""
+    tokens, starts, tops, values = [], [], [], []
     for e in entries:
-        text = strings(unscored if e is None else e.token_id)[0]
+        token_id = unscored if e is None else e.token_id
+        text = strings(token_id)[0]
         tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
+        starts.append(offsets.next(strings.in_text(token_id)))
         if e is None:
             tops.append(None)
             values.append(None)
@@ -84,7 +112,7 @@ def completion_logprobs(entries: list[TokenLogprob | None], strings: TokenString
         top.setdefault(text, e.logprob)  # OpenAI: the sampled token is always among them
         tops.append(top)
         values.append(e.logprob)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=starts)
 
 
 def chat_logprobs(entries: list[TokenLogprob], strings: TokenStrings) -> ChatLogprobs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS, StructuredOutput
 
@@ -81,6 +81,33 @@ class StructuredOutputs(BaseModel):
                                 choice=tuple(self.choice) if self.choice is not None else None, grammar=self.grammar)
 
 
+class FieldError(ValueError):
+    """A request error about one field, which the error body names as its `param` (pydantic
+    names the whole body for an error a model validator raises)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def lone_surrogate_at(value: Any, path: tuple[str, ...] = ()) -> str | None:
+    """Where, in a request body as JSON decodes it, the first string holding a lone UTF-16
+    surrogate is (JSON's `\\ud800` escape decodes to one, and no tokenizer or grammar can take
+    it): its dotted path, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return ".".join(path) or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = lone_surrogate_at(key, (*path, str(key))) or lone_surrogate_at(item, (*path, str(key)))
+        if found is not None:
+            return found
+    return None
+
+
 class SamplingFields(BaseModel):
     """Fields completions and chat completions share."""
 
@@ -90,18 +117,20 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=0, description="default: the rest of the context; 0 only with echo "
                                                              "(the prompt scored, nothing generated)")
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="extension")
-    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, description="extension")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every token "
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="extension")
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, allow_inf_nan=False, description="extension")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="subtracted from the logit of every token "
                                                                       "generated so far")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="times each generated token's count so far, "
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="times each generated token's count so far, "
                                                                        "subtracted from its logit")
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
+    stop_token_ids: list[StrictInt] | None = Field(None, description="extension (vLLM's): generation also stops "
+                                                                     "after any of these token ids")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: generate max_tokens even past EOS")
@@ -120,6 +149,15 @@ class SamplingFields(BaseModel):
         None, description="extension (vLLM's): the output must match a JSON schema, any JSON object, a regex, one "
                           "of a list of strings or a Lark grammar")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data):
+        at = lone_surrogate_at(data)
+        if at is not None:
+            raise FieldError(at, "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                                 "which is not text")
+        return data
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v):
@@ -130,16 +168,30 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_biases(cls, v):
+        for key, bias in (v or {}).items():
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise ValueError(f"the bias of token {key} is {bias}; biases are in [-100, 100]")
+        return v
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Fields the request sent that tandem does not know (vLLM's and OpenAI's others, such as
+        best_of): accepted and ignored, as vLLM does, and named in the server's log."""
+        return sorted(name for name in (self.model_extra or {}) if name not in UNSUPPORTED)
+
     @model_validator(mode="after")
     def _check_unsupported(self):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and value not in (None, False, 0, [], {}):
-                raise ValueError(f"{name}: {UNSUPPORTED[name]} is not supported by tandem")
+                raise FieldError(name, f"{UNSUPPORTED[name]} is not supported by tandem")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options", "only allowed with stream=true")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens differ: send one of them")
+                raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens differ: send one of them")
             self.max_tokens = self.max_completion_tokens
         return self
 
@@ -182,7 +234,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         ..., description="text, texts, token ids, or lists of token ids (each is one prompt)"
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
@@ -198,6 +250,15 @@ class CompletionRequest(SamplingFields):
     @property
     def echoes_prompt(self) -> bool:
         return self.echo
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_ids(cls, v):
+        ids = [i for p in v for i in (p if isinstance(p, list) else [p])] if isinstance(v, list) else []
+        if any(isinstance(i, bool) or not isinstance(i, (int, str)) for i in ids):
+            raise ValueError("a prompt is a string, a list of strings, a list of token ids (integers) or a list of "
+                             "such lists")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -280,14 +341,14 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_top_logprobs(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise FieldError("top_logprobs", "needs logprobs=true")
         if self.tool_choice not in (None, "none", "auto"):
             names = [t.function.name for t in self.tools or ()]
             if not names:
-                raise ValueError("tool_choice needs tools")
+                raise FieldError("tool_choice", "needs tools")
             if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the "
-                                 f"tools ({', '.join(names)})")
+                raise FieldError("tool_choice", f"names {self.tool_choice.function.name!r}, which is not among the "
+                                                f"tools ({', '.join(names)})")
         return self
 
     @property
