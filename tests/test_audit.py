@@ -130,6 +130,29 @@ def test_audit_passes_ngram_drafter():
     assert report.passed, report.render()
 
 
+@register("test_audit_silent")
+class SilentDrafter(Drafter):
+    """Never drafts, as a policy that finds no draft worth verifying would have it."""
+
+    def propose(self, batch):
+        return [Draft.empty() for _ in batch]
+
+
+def test_audit_that_verified_nothing_is_inconclusive():
+    """No round drafted: the position checks pass (plain sampling is exact) but nothing
+    speculative was tested, which the verdict must say rather than pass; too few rounds for any
+    check to run is inconclusive too, and rounds < 1 or alpha outside (0, 1) are refused."""
+    report = run_audit(engine("test_audit_silent"), PROMPT, PARAMS, rounds=400, batch=100)
+    assert report.drafted_rounds == 0 and report.check("position 1 token").passed
+    assert report.verdict == "inconclusive" and not report.passed and "INCONCLUSIVE" in report.render()
+    report = run_audit(engine("ngram", k=3), PROMPT, PARAMS, rounds=20, batch=20)
+    assert all(c.passed is None for c in report.checks)
+    assert report.verdict == "inconclusive", report.render()
+    for bad in (dict(rounds=0), dict(alpha=0.0), dict(alpha=2.0)):
+        with pytest.raises(ValueError):
+            run_audit(engine("ngram", k=3), PROMPT, PARAMS, **{"rounds": 10, **bad})
+
+
 def test_audit_fails_soft_q_for_argmax_drafts():
     # The argmax draft is accepted with min(1, p/q) >= p: it comes out too often at position 1.
     report = run_audit(engine("test_audit_soft_argmax"), PROMPT, PARAMS, rounds=3000, batch=100)

@@ -249,6 +249,33 @@ def test_prompt_longer_than_context_is_rejected():
         llm.generate([5] * 200, SamplingParams(max_tokens=4))
 
 
+def test_a_bad_request_is_refused_and_leaves_the_engine_working():
+    """Token ids outside the vocabulary (prompt or stop_token_ids) are refused before anything
+    runs, and a generate() that fails part way (here: the second prompt of a batch) leaves
+    nothing in the engine: the next call decodes as if it never happened."""
+    llm = make_llm(spec=SpecConfig(algorithm="suffix", num_draft_tokens=4))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = llm.generate(PROMPTS[0], params)[0].token_ids
+    for bad in ([[10**9]], [[-5, 3]], [PROMPTS[0], [5, 97]]):
+        with pytest.raises(ValueError, match="vocabulary"):
+            llm.generate(bad, params)
+        assert not llm.engine.has_work()
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(500,)))
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == want
+    stream = llm.stream(PROMPTS[1], params)
+    next(stream)
+    stream.close()  # a caller that stops reading: its request leaves the engine
+    assert not llm.engine.has_work() and llm.generate(PROMPTS[0], params)[0].token_ids == want
+
+
+@pytest.mark.parametrize("field, value", [("seed", "x"), ("stop", [1, 2]), ("max_tokens", 2.5), ("top_k", 1.5),
+                                          ("max_tokens", True), ("stop_token_ids", (-1,))])
+def test_sampling_params_refuse_values_of_the_wrong_kind(field, value):
+    with pytest.raises((TypeError, ValueError), match=field):
+        SamplingParams(**{field: value})
+
+
 def test_unknown_drafter_lists_available():
     with pytest.raises(ValueError, match="available"):
         make_llm(spec=SpecConfig(algorithm="nope"))

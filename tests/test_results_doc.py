@@ -162,6 +162,15 @@ def results(tmp_path):
     merged["merged_from"] = [{"report": f"{cat}.json", "subtasks": [cat], "num_prompts": 80, "date": date}
                              for cat, date in parts.items()]
     put("full/merged.json", merged)
+    # A merge of parts over two subtasks each, in the results directory itself.
+    pairs = {"a.json": (["multi_turn", "summarization"], "2026-12-03 08:00 UTC"),
+             "b.json": (["math_reasoning", "rag"], "2026-12-03 09:00 UTC")}
+    for name, (cats, date) in pairs.items():
+        put(name, _spec_report(cats, date=date, transformers=False, limit=80))
+    wide = _spec_report([c for cats, _ in pairs.values() for c in cats], transformers=False, limit=80)
+    wide["merged_from"] = [{"report": name, "subtasks": cats, "num_prompts": 160, "date": date}
+                           for name, (cats, date) in pairs.items()]
+    put("wide_merged.json", wide)
     put("kernels/bench_base_gemma.json", _base_report())
     (root / "kernels" / "bench_base_gemma.png").write_bytes(b"png")
     put("advise.json", _advise_report())
@@ -240,6 +249,16 @@ def test_merged_spec_and_its_parts(results):
     part = _section(text, "full/parts/qa.json")
     assert "one part of [full/merged.json](full/merged.json)" in part
     assert "--categories qa" in part and "Per subtask" not in part
+
+
+def test_a_merge_of_parts_over_several_subtasks(results):
+    """One `bench spec` line per part, with its own subtasks (no per-subtask loop), and parts
+    that lie beside other reports merged by name (a glob would take the others too)."""
+    merged = _section(render(results, results / "README.md"), "wide_merged.json")
+    assert "for cat in" not in merged and "over disjoint subtasks" in merged
+    assert "--categories multi_turn summarization" in merged and "--json results/a.json" in merged
+    assert "--categories math_reasoning rag" in merged and "--json results/b.json" in merged
+    assert "spec-merge results/a.json results/b.json --json results/wide_merged.json" in merged and "//" not in merged
 
 
 def test_bench_base_tables(results):

@@ -4,6 +4,8 @@ the shipped one, the held-out replay, and greedy identity with it."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -35,6 +37,9 @@ def test_a_corpus_round_trips_and_is_refused_for_another_vocabulary(tmp_path):
     save_corpus(tmp_path, answers, "toy", 1000, {"note": "x"})
     config, back = read_corpus(tmp_path, 1000)
     assert back == answers and config["tokens"] == 5 and config["answers"] == 3 and config["record"] == {"note": "x"}
+    mask = os.umask(0)
+    os.umask(mask)  # readable as any file the umask allows: safetensors alone writes 0600
+    assert [stat.S_IMODE(f.stat().st_mode) for f in sorted(tmp_path.iterdir())] == [0o666 & ~mask] * 2
     with pytest.raises(ValueError, match="vocabulary of 1000"):
         read_corpus(tmp_path, 500)
     with pytest.raises(ValueError, match=r"\[0, 100\)"):

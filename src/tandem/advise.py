@@ -330,7 +330,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else spread_prompts(args.limit)
-    methods = parse_methods(args.drafters) if args.drafters else None
+    methods = parse_methods(args.drafters, "--drafters") if args.drafters else None
     if methods and (trees := [m.label for m in methods if m.eagle_topk > 1 or m.num_draft_tokens or m.num_steps]):
         raise ValueError(f"advise chooses each drafter's chain length itself; drop the @ options of {', '.join(trees)} "
                          "(compare trees and fixed lengths with `tandem bench spec --methods`)")

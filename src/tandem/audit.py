@@ -80,10 +80,22 @@ class AuditReport:
     rounds: int
     alpha: float
     checks: list[AuditCheck] = field(default_factory=list)
+    drafted_rounds: int | None = None  # sampled audits: the rounds whose draft was not empty
+
+    @property
+    def verdict(self) -> str:
+        """fail: a check failed. inconclusive: none failed, but none ran (too few samples), or
+        no round had a draft to verify (the policy drafted nothing: nothing speculative was
+        tested). pass otherwise."""
+        if any(c.passed is False for c in self.checks):
+            return "fail"
+        if not any(c.passed for c in self.checks) or self.drafted_rounds == 0:
+            return "inconclusive"
+        return "pass"
 
     @property
     def passed(self) -> bool:
-        return all(c.passed is not False for c in self.checks) and any(c.passed for c in self.checks)
+        return self.verdict == "pass"
 
     def check(self, name: str) -> AuditCheck:
         return next(c for c in self.checks if c.name == name)
@@ -121,7 +133,18 @@ class AuditReport:
                 lines.append(f"power: detecting a TV of {POWER_TV:g} on every check that ran takes about {rounds} rounds "
                              f"(this run: {self.rounds}; limiting check: {limiting.name}, {limiting.samples} samples "
                              f"here, {limiting.samples_needed} needed)" + ("; the skipped checks need more" if skipped else ""))
-        lines.append("verdict: " + ("PASS (lossless within the test's power)" if self.passed else "FAIL"))
+        if self.drafted_rounds is not None:
+            lines.append(f"rounds with a draft: {self.drafted_rounds} of {self.rounds}")
+        verdict = self.verdict
+        if verdict == "pass":
+            lines.append("verdict: PASS (lossless within the test's power)")
+        elif verdict == "fail":
+            lines.append("verdict: FAIL")
+        elif self.drafted_rounds == 0:
+            lines.append("verdict: INCONCLUSIVE: no round drafted, so no draft was verified (the speculation policy "
+                         "drafted nothing here; --speculative-policy fixed drafts every round)")
+        else:
+            lines.append(f"verdict: INCONCLUSIVE: no check had {MIN_GROUP} samples (raise --rounds)")
         return "\n".join(lines)
 
 
@@ -351,6 +374,12 @@ def audit_rounds(auditor: Auditor, rounds: list[_Round], alpha: float) -> list[A
 
 def run_audit(engine: Engine, prompt_ids: list[int], params: SamplingParams, rounds: int = 4000,
               alpha: float = 1e-3, batch: int = 64, seed: int = 0) -> AuditReport:
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha is a significance level in (0, 1), got {alpha}")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
     if not params.greedy and (params.structured_output is not None or params.logit_bias):
         raise ValueError("the sampled audit checks the target's own distribution; a structured output or a logit "
                          "bias shifts it (tests/test_structured_output.py checks that case)")
@@ -359,7 +388,9 @@ def run_audit(engine: Engine, prompt_ids: list[int], params: SamplingParams, rou
         report.checks.append(_greedy_identity(engine, prompt_ids, params))
         return report
     auditor = Auditor(engine, prompt_ids, params, batch)
-    report.checks = audit_rounds(auditor, auditor.run(rounds, seed), alpha)
+    ran = auditor.run(rounds, seed)
+    report.checks = audit_rounds(auditor, ran, alpha)
+    report.drafted_rounds = sum(1 for r in ran if r.draft)
     return report
 
 

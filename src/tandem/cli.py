@@ -24,6 +24,7 @@ from tandem.llm import LLM
 from tandem.train.cli import add_train_parser
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+AUDIT_INCONCLUSIVE = 3  # tandem audit's exit status when no check ran or no round drafted (2 is argparse's)
 
 
 def llm_from_args(args):
@@ -95,7 +96,7 @@ def cmd_audit(args) -> int:
     prompt_ids = llm.encode(args.prompt, chat=args.chat)
     report = run_audit(llm.engine, prompt_ids, params, rounds=args.rounds, alpha=args.alpha, seed=args.seed or 0)
     print(report.render())
-    return 0 if report.passed else 1
+    return {"pass": 0, "fail": 1, "inconclusive": AUDIT_INCONCLUSIVE}[report.verdict]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true")
     gen.set_defaults(func=cmd_generate)
 
-    audit = sub.add_parser("audit", help="prove losslessness of a target + drafter statistically (exit 1 on failure)")
+    audit = sub.add_parser("audit", help="prove losslessness of a target + drafter statistically (exit 1 on failure, "
+                                         f"{AUDIT_INCONCLUSIVE} when nothing speculative could be tested)")
     add_model_args(audit)
     add_spec_args(audit)
     add_sampling_args(audit)

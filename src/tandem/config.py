@@ -10,6 +10,7 @@ import json as _json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from numbers import Integral
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
@@ -119,6 +120,15 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(s, str) for s in self.stop):
+            raise TypeError(f"stop must be a string or strings, got {self.stop!r}")
+        for name in ("top_k", "max_tokens", "seed", "max_draft_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise TypeError(f"{name} must be an integer{'' if name in ('top_k', 'max_tokens') else ' or None'}, "
+                                f"got {value!r}")
+        if any(isinstance(t, bool) or not isinstance(t, Integral) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         for token, value in self.logit_bias:
@@ -287,6 +297,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 (None: every core), got {self.threads}")
         kv_cache_dtype_name(self.kv_cache_dtype)
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")

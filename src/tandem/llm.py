@@ -11,6 +11,7 @@ import torch
 
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
 from tandem.engine.engine import Engine
+from tandem.engine.request import Request
 from tandem.model.catalogue import DEFAULT_MODEL
 from tandem.model.loader import load_model
 from tandem.scheduler.profile import cost_curve_for
@@ -119,16 +120,30 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        requests = [self.engine.add_request(self.encode(p, chat), sp) for p, sp in zip(prompts, params_list)]
-        while self.engine.has_work():
-            self.engine.step()
+        requests = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                requests.append(self.engine.add_request(self.encode(p, chat), sp))
+            while self.engine.has_work():
+                self.engine.step()
+        except BaseException:  # an error or an interrupt: nothing of this call stays in the engine
+            self._abort(requests)
+            raise
         return [r.output() for r in requests]
+
+    def _abort(self, requests: list[Request]) -> None:
+        for req in requests:
+            if not req.finished:
+                self.engine.abort(req.request_id)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[str]:
         """Yield text pieces as they are committed; the finished request stays in `last_output`."""
         req = self.engine.add_request(self.encode(prompt, chat), params or SamplingParams())
-        while not req.finished:
-            for update in self.engine.step():
-                if update.request is req and update.new_text:
-                    yield update.new_text
+        try:
+            while not req.finished:
+                for update in self.engine.step():
+                    if update.request is req and update.new_text:
+                        yield update.new_text
+        finally:  # an error, or the caller stopped iterating: the request leaves the engine
+            self._abort([req])
         self.last_output = req.output()

@@ -21,3 +21,15 @@ def shipped_drafter_dir(model_name: str, method: str, marker: str) -> Path | Non
     `marker` (the file that says what it is)."""
     path = SHIPPED_DIR / model_name / method
     return path if (path / marker).exists() else None
+
+
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, the file then readable as the umask allows, like every other file
+    tandem writes (safetensors creates its files 0600: a head trained by one account could not be
+    served by another)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -6,6 +6,7 @@ import argparse
 
 from tandem.bench.agent import add_agent_bench_parser
 from tandem.bench.base import bench_base
+from tandem.bench.prompts import SPEC_BENCH_SUBTASKS
 from tandem.bench.burst import add_burst_bench_parser
 from tandem.bench.replicas import add_replicas_bench_parser
 from tandem.bench.results_doc import results_command
@@ -63,8 +64,8 @@ def _add_spec_parser(kinds) -> None:
                            "(default: every registered drafter that needs no extra files)")
     spec.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     spec.add_argument("--limit", type=int, default=3, help="first N prompts of each Spec-Bench subtask")
-    spec.add_argument("--categories", nargs="+", default=None,
-                      help="subset of multi_turn translation summarization qa math_reasoning rag")
+    spec.add_argument("--categories", nargs="+", default=None, choices=SPEC_BENCH_SUBTASKS, metavar="SUBTASK",
+                      help=f"subset of {' '.join(SPEC_BENCH_SUBTASKS)}")
     spec.add_argument("--max-new-tokens", type=int, default=128)
     spec.add_argument("--temperature", type=float, default=0.0,
                       help="0 = greedy (identity checked); > 0 = seeded sampling, seed + prompt index per prompt")
@@ -102,6 +103,8 @@ def _add_results_parser(kinds) -> None:
 
 
 def _run_base(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.cpu_time and args.threads != 1:
         print("--cpu-time: every engine runs on one thread (--threads 1)")
         args.threads = 1

@@ -8,6 +8,8 @@ from importlib.resources import files
 from pathlib import Path
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+# Spec-Bench's subtasks as tandem names them (the MT-Bench ones grouped as multi_turn).
+SPEC_BENCH_SUBTASKS = ("multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
 @dataclass(frozen=True)

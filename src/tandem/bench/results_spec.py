@@ -144,15 +144,26 @@ def _merged_command(page: Page, rel: str, data: dict, what: str, plots: str) -> 
     merged = data["merged_from"]
     dates = sorted(str(p.get("date")) for p in merged)
     folder = _parts_dir(page, rel, data)
-    lines = [f"`{KINDS['bench_spec_merged']}` of {len(merged)} `{KINDS['bench_spec']}` runs, one sitting per "
-             f"subtask ({dates[0]} to {dates[-1]}): {what}.", ""]
-    part_json = page.shown(f"{folder}/{LOOP_VARIABLE}.json" if folder else f"{LOOP_VARIABLE}.json")
-    loop = " ".join(s for p in merged for s in p.get("subtasks", []))
-    part_cmd = shell_line(_spec_words(data, [LOOP_VARIABLE], part_json, ""), variant_env(data.get("machine")))
-    parts = page.shown(f"{folder}/*.json") if folder is not None else " ".join(p["report"] for p in merged)
+    env = variant_env(data.get("machine"))
+    if all(len(p.get("subtasks", [])) == 1 for p in merged):  # one sitting per subtask: a loop
+        lines = [f"`{KINDS['bench_spec_merged']}` of {len(merged)} `{KINDS['bench_spec']}` runs, one sitting per "
+                 f"subtask ({dates[0]} to {dates[-1]}): {what}.", ""]
+        part_json = page.shown(f"{folder}/{LOOP_VARIABLE}.json" if folder else f"{LOOP_VARIABLE}.json")
+        loop = " ".join(s for p in merged for s in p["subtasks"])
+        runs = [f"for cat in {loop}; do", f"  {shell_line(_spec_words(data, [LOOP_VARIABLE], part_json, ''), env)}",
+                "done"]
+    else:  # parts over several subtasks each: one run per part
+        lines = [f"`{KINDS['bench_spec_merged']}` of {len(merged)} `{KINDS['bench_spec']}` runs over disjoint "
+                 f"subtasks ({dates[0]} to {dates[-1]}): {what}.", ""]
+        runs = [shell_line(_spec_words(data, p.get("subtasks", []),
+                                       page.shown(f"{folder}/{p['report']}" if folder else p["report"]), ""), env)
+                for p in merged]
+    if folder:  # the parts' own directory: all of it
+        parts = page.shown(f"{folder}/*.json")
+    else:  # beside other reports (or not in the results directory): each part by name
+        parts = " ".join(page.shown(p["report"]) if folder == "" else p["report"] for p in merged)
     merge_words = ["tandem", "bench", "spec-merge", "PARTS", "--json", page.shown(rel), "--plots", plots]
-    lines += bash_block([f"for cat in {loop}; do", f"  {part_cmd}", "done",
-                         shell_line(merge_words).replace("PARTS", parts)])
+    lines += bash_block([*runs, shell_line(merge_words).replace("PARTS", parts)])
     if folder is None:
         lines.append("(the parts' directory is not in the results directory)")
     return lines

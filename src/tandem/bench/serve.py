@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tandem.bench.prompts import load_prompt_file, spread_prompts
+from tandem.bench.prompts import SPEC_BENCH_SUBTASKS, load_prompt_file, spread_prompts
 from tandem.bench.server_process import (
     ServerError,
     chat_events,
@@ -437,8 +437,8 @@ def add_serve_bench_parser(kinds) -> None:
     p.add_argument("--requests-per-user", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=80,
                    help="Spec-Bench prompts, round-robin over subtasks; each level takes fresh ones")
-    p.add_argument("--categories", nargs="+", default=None,
-                   help="Spec-Bench subtasks to draw from (multi_turn translation summarization qa math_reasoning rag)")
+    p.add_argument("--categories", nargs="+", default=None, choices=SPEC_BENCH_SUBTASKS, metavar="SUBTASK",
+                   help=f"Spec-Bench subtasks to draw from ({' '.join(SPEC_BENCH_SUBTASKS)})")
     p.add_argument("--prompts-file", default=None, help="your own prompts (.jsonl or one per line)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0,

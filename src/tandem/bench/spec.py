@@ -116,9 +116,10 @@ METHOD_OPTIONS = {"k": "num_draft_tokens", "topk": "eagle_topk", "steps": "num_s
                   "corpus": "corpus", "sched": "scheduled", "adaptive": "adaptive"}
 
 
-def parse_methods(items: list[str]) -> list[Method]:
+def parse_methods(items: list[str], flag: str = "--methods") -> list[Method]:
     """`ngram`, `suffix`, `draft_model=PATH`, `eagle3@k=16@topk=4@steps=5` ...: space- or
-    comma-separated, any registered name, with options after `@`."""
+    comma-separated, any registered name, with options after `@`; flag: the option they came
+    from, which the errors name."""
     known = available_drafters()
     methods = []
     for item in (part for text in items for part in text.split(",")):
@@ -128,14 +129,14 @@ def parse_methods(items: list[str]) -> list[Method]:
         head, *options = item.split("@")
         name, _, path = head.partition("=")
         if name not in known:
-            raise ValueError(f"unknown drafter {name!r} in --methods; registered: {', '.join(known)}")
+            raise ValueError(f"unknown drafter {name!r} in {flag}; registered: {', '.join(known)}")
         if name == PLAIN:
-            raise ValueError("plain decoding is always the baseline; do not list it in --methods")
+            raise ValueError(f"plain decoding is always the baseline; do not list it in {flag}")
         fields: dict = {}
         for option in options:
             key, _, value = option.partition("=")
             if key not in METHOD_OPTIONS or not value.isdigit():
-                raise ValueError(f"bad option {option!r} in --methods item {item!r}; use @k=N, @topk=N, @steps=N, "
+                raise ValueError(f"bad option {option!r} in {flag} item {item!r}; use @k=N, @topk=N, @steps=N, "
                                  "@lookup=0|1, @corpus=0|1, @sched=0|1 (the confidence scheduler) or @adaptive=0|1 "
                                  "(the adaptive policy)")
             flag = key in ("lookup", "corpus", "sched", "adaptive")
@@ -143,12 +144,12 @@ def parse_methods(items: list[str]) -> list[Method]:
         try:
             methods.append(Method(name, path or None, **fields))
         except ValueError as err:
-            raise ValueError(f"--methods item {item!r}: {err}") from err
+            raise ValueError(f"{flag} item {item!r}: {err}") from err
     if not methods:
-        raise ValueError("--methods is empty; name at least one drafter")
+        raise ValueError(f"{flag} is empty; name at least one drafter")
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"--methods lists a drafter twice: {', '.join(labels)}")
+        raise ValueError(f"{flag} lists a drafter twice: {', '.join(labels)}")
     return methods
 
 

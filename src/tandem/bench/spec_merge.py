@@ -34,6 +34,9 @@ def merge_spec_reports(reports: list[dict], names: list[str] | None = None) -> d
     if not reports:
         raise ValueError("no reports to merge")
     names = names or [f"report {i + 1}" for i in range(len(reports))]
+    for name, rep in zip(names, reports):
+        if not (isinstance(rep, dict) and {"categories", "prompts", "methods"} <= set(rep)):
+            raise ValueError(f"{name} is not a `tandem bench spec` report (it lacks categories, prompts or methods)")
     first = reports[0]
     for name, rep in zip(names[1:], reports[1:]):
         for key in SHARED_FIELDS:

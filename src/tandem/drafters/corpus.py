@@ -18,10 +18,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tandem.drafters.suffix_trie import SuffixTrie
-from tandem.paths import shipped_drafter_dir
+from tandem.paths import shipped_drafter_dir, save_safetensors
 
 FORMAT = "tandem-suffix-corpus"
 VERSION = 1
@@ -48,7 +48,7 @@ def save_corpus(out: str | Path, answers: list[list[int]], target_name: str, voc
     tokens = torch.tensor([t for a in answers for t in a], dtype=torch.int32)
     if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
         raise ValueError(f"answer token ids must lie in [0, {vocab_size})")
-    save_file({"tokens": tokens, "offsets": offsets}, str(out / TOKENS_FILE))
+    save_safetensors({"tokens": tokens, "offsets": offsets}, out / TOKENS_FILE)
     config = {"format": FORMAT, "version": VERSION, "target": {"model_name": target_name, "vocab_size": vocab_size},
               "answers": len(answers), "tokens": int(tokens.numel()), "record": record or {}}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from numbers import Integral
 
 import torch
 
@@ -77,6 +78,11 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        for what, ids in (("the prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not (isinstance(t, Integral) and 0 <= t < vocab)]
+            if bad:
+                raise ValueError(f"{what} holds {bad[0]!r}, which is not a token id of the vocabulary [0, {vocab})")
         budget = self.config.max_model_len - len(prompt_ids)
         if budget < 1:
             raise ValueError(

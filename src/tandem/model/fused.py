@@ -107,7 +107,7 @@ class FusedDecoder:
             return self.model.logits(hidden), None
         logits, best, finite = self.kernels.linear_argmax(hidden.contiguous(), self._head, transform=RMS_NORM,
                                                           norm_weight=self._final_norm, eps=self.shape.eps)
-        return logits, GreedyRows(best, finite)
+        return logits, GreedyRows(best.tolist(), finite.tolist())
 
     def forward(self, tokens: torch.Tensor, seq: torch.Tensor, slot: torch.Tensor, cache,
                 hidden_layers: tuple[int, ...], tree: TreeKeys | None = None

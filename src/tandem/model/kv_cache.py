@@ -36,7 +36,11 @@ class LazyZeros:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as err:  # not even the address space: say what asked for it
+            raise ValueError(f"the KV cache would span {nbytes / 2**30:.1f} GiB of address space ({err.strerror}): "
+                             "lower max_model_len, max_num_seqs or max_total_tokens") from err
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=math.prod(shape)).view(shape)
 
     def forget(self, offset: int, nbytes: int) -> None:
@@ -44,7 +48,6 @@ class LazyZeros:
         end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-
 
 
 def kv_cache_dtype(activation_dtype: torch.dtype, device: str | torch.device, requested: str = "auto",

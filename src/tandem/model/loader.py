@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -31,6 +31,7 @@ from tandem.model.kv_cache import kv_cache_dtype
 from tandem.model.libc import trim_heap
 from tandem.model.quant import DenseLinear, quantize_linear
 from tandem.model.transformer import TransformerLM
+from tandem.paths import save_safetensors
 
 log = logging.getLogger("tandem.loader")
 
@@ -78,7 +79,7 @@ def _ensure_gguf_float_weights(src: ModelSource) -> Path:
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     tmp = out.with_suffix(".tmp")
-    save_file(state, str(tmp))
+    save_safetensors(state, tmp)
     tmp.rename(out)
     print(f"[tandem] cached in {src.hf_dir} ({time.time() - t0:.0f} s)", flush=True)
     return out
@@ -183,6 +184,14 @@ def resolve_dtype(dtype: str, quantization: str, device: str = "cpu") -> torch.d
             return torch.float32
         return torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def model_config(name: str) -> ModelConfig:
+    """A model's ModelConfig (its shapes) from its config alone, without loading weights."""
+    src = resolve_model(name)
+    if src.gguf_path is not None:
+        _ensure_gguf_metadata(src)
+    return model_config_from_hf(read_hf_config(src.hf_dir))
 
 
 def load_model(

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from tandem.drafters.heads.base import TrainBatch
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
+from tandem.paths import save_safetensors
 from tandem.train.data import atomic_write, check_cache_meta
 
 log = logging.getLogger("tandem.train")
@@ -104,7 +105,7 @@ def write_captures(target_name: str, num_layers: int, forward_factory, seqs: lis
     for i in todo:
         tensors = _shard_tensors(shards[i], forward, layers, batch_size, "cpu", store_dtype, bar)
         meta = {"keys": json.dumps([s.key for s in shards[i]])}
-        atomic_write(paths[i], lambda p: save_file(tensors, str(p), metadata=meta))
+        atomic_write(paths[i], lambda p: save_safetensors(tensors, p, metadata=meta))
     bar.close()
     return paths
 

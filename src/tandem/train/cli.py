@@ -18,11 +18,11 @@ import torch
 
 from tandem.config import DEVICES, DTYPES, QUANTIZATIONS, SpecConfig
 from tandem.drafters.corpus import DEFAULT_CORPUS_TOKENS
-from tandem.drafters.heads.base import TargetParts
-from tandem.drafters.heads.io import build_head, load_head, read_head_config, save_head
+from tandem.drafters.heads.base import TargetParts, head_methods
+from tandem.drafters.heads.io import build_head, check_target_shapes, load_head, read_head_config, save_head
 from tandem.llm import LLM, configure_threads
 from tandem.model.catalogue import DEFAULT_MODEL
-from tandem.model.loader import LoadedModel, load_model
+from tandem.model.loader import LoadedModel, load_model, model_config
 from tandem.paths import cache_root
 from tandem.train.capture import CapturedData, capture_in_memory, engine_forward_factory, sequences, write_captures
 from tandem.train.data import DistillConfig, PromptSplit, distill, load_prompts
@@ -40,9 +40,18 @@ def default_prompt_files() -> list[Path]:
     return sorted((Path(__file__).resolve().parents[1] / "data" / "train").glob("*.json*"))
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default, unless it has none or its help already says what it is."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3, mtp, draft_model, dflash, dspark) or a suffix corpus for a target",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultsFormatter)
     p.add_argument("--target", default=DEFAULT_MODEL, help="the target model (built-in name, HF directory or .gguf)")
     p.add_argument("--method", required=True,
                    help="draft-head method (medusa, eagle, eagle3, mtp, draft_model, dflash, dspark), or suffix: "
@@ -125,7 +134,7 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     """Options of the head's constructor, named or KEY=VALUE."""
-    g = p.add_argument_group("method options (passed to the head; see README)")
+    g = p.add_argument_group("method options (passed to the head; see docs/training.md)")
     g.add_argument("--num-heads", type=int, default=None, help="medusa heads")
     g.add_argument("--depth", type=int, default=None, help="mtp modules (draft positions)")
     g.add_argument("--draft-vocab-size", type=int, default=None,
@@ -260,6 +269,9 @@ def _export_suffix_corpus(args, target_name: str, vocab_size: int, files: list[P
 
 def _check_train_args(args, options: dict) -> str:
     """Reject flag combinations that cannot work before anything is loaded; returns the backend."""
+    if args.method != "suffix" and args.method not in head_methods():
+        raise ValueError(f"unknown method {args.method!r}: a draft head ({', '.join(head_methods())}) or suffix "
+                         "(a corpus for suffix decoding)")
     if args.max_prompt_context < 0:
         raise ValueError(f"--max-prompt-context must be >= 0 (0 = the whole prompt), got {args.max_prompt_context}")
     if args.resume and not (Path(args.out) / CHECKPOINT).exists():
@@ -272,9 +284,11 @@ def _check_train_args(args, options: dict) -> str:
     if args.corpus_tokens < 1:
         raise ValueError(f"--corpus-tokens must be >= 1, got {args.corpus_tokens}")
     if args.init_from:
-        init_method = read_head_config(args.init_from)["method"]  # also: a clear error when there is no head
-        if init_method != args.method:
-            raise ValueError(f"--init-from {args.init_from} holds a {init_method} head, not {args.method}")
+        record = read_head_config(args.init_from)  # also: a clear error when there is no head
+        if record["method"] != args.method:
+            raise ValueError(f"--init-from {args.init_from} holds a {record['method']} head, not {args.method}")
+        # before any answering: a head for another target is refused from the target's config
+        check_target_shapes(record, model_config(args.target), args.target, args.init_from)
         if options:
             raise ValueError(f"--init-from {args.init_from}: the head keeps its own options; drop {sorted(options)}")
     if args.max_data_minutes is not None and args.max_data_minutes < 0:

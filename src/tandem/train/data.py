@@ -163,7 +163,8 @@ def check_cache_meta(directory: Path, meta: dict) -> None:
         old = json.loads(file.read_text())
         if old != meta:
             raise ValueError(
-                f"{directory} was made with {old}, not {meta}; use another --out (or delete it) to change settings"
+                f"{directory} was made with {old}, not {meta}: it is cached data of another run; point --data-dir "
+                "elsewhere (or delete that directory) to change these settings"
             )
     else:
         directory.mkdir(parents=True, exist_ok=True)

@@ -148,9 +148,9 @@ def _greedy_tokens(logits: torch.Tensor, n: int, shift: torch.Tensor | None,
     ties: the first index, as the one-hot p of processed_probs). Raises NonFiniteLogitsError
     on NaN or inf in any of them."""
     if greedy is not None and shift is None:  # found by the LM head: the rows need not be read again
-        if not bool(greedy.finite[:n].all()):
+        if not all(greedy.finite[:n]):
             raise NonFiniteLogitsError("the model produced NaN or inf logits")
-        return greedy.argmax[:n].tolist()
+        return greedy.argmax[:n]
     rows = logits[:n]
     if not all_finite(rows):
         raise NonFiniteLogitsError("the model produced NaN or inf logits")
@@ -167,9 +167,9 @@ def sample_plain(
     last logits row first)."""
     mask = None if shift is None else shift[-1:]
     if params.greedy and not params.penalized and greedy is not None and mask is None:
-        if not bool(greedy.finite[-1]):
+        if not greedy.finite[-1]:
             raise NonFiniteLogitsError("the model produced NaN or inf logits")
-        return int(greedy.argmax[-1])
+        return greedy.argmax[-1]
     if params.greedy and not params.penalized:
         if not all_finite(logits[-1]):
             raise NonFiniteLogitsError("the model produced NaN or inf logits")

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from tandem.drafters.heads.base import (
@@ -38,6 +37,7 @@ from tandem.drafters.heads.base import (
 )
 from tandem.drafters.heads.block import DraftBlock
 from tandem.model.arch import ModelConfig
+from tandem.paths import save_safetensors
 
 
 def spaced_layers(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -150,7 +150,7 @@ class DraftModelHead(DraftHead):
         the draft_model drafter, or transformers, loads."""
         parts = self._check_exportable(tokenizer)
         out = Path(out_dir)
-        save_file(self._llama_state(parts, dtype), str(out / "model.safetensors"))
+        save_safetensors(self._llama_state(parts, dtype), out / "model.safetensors")
         (out / "config.json").write_text(json.dumps(self._llama_config(target_name, dtype), indent=2) + "\n")
         tokenizer.save_pretrained(str(out))
 

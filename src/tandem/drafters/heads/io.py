@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
-from tandem.paths import cache_root, shipped_drafter_dir
+from tandem.paths import cache_root, shipped_drafter_dir, save_safetensors
 
 FORMAT = "tandem-draft-head"
 VERSION = 1
@@ -90,7 +90,7 @@ def save_head(head: DraftHead, out_dir: str | Path, target_name: str, extra_reco
         "record": extra_record or {},
     }
     tmp = out / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp))
+    save_safetensors(tensors, tmp)
     tmp.replace(out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
     head.export(out, target_name, tokenizer, dtype)
@@ -118,15 +118,19 @@ def read_head_config(path: str | Path) -> dict:
 
 def check_target(record: dict, target: TargetParts, where: str) -> None:
     """Refuse a head trained for another target, saying which one it was trained for."""
+    check_target_shapes(record, target.config, target.model_name, where)
+
+
+def check_target_shapes(record: dict, cfg, model_name: str, where: str) -> None:
+    """check_target from the target's ModelConfig alone (its shapes; no weights loaded)."""
     want = record["target"]
-    cfg = target.config
     have = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers}
     diffs = [f"{k} {want[k]} vs {v}" for k, v in have.items() if want[k] != v]
     if diffs:
         raise ValueError(
             f"the {record['method']} head at {where} was trained for target {want['model_name']!r}, not for "
-            f"{target.model_name or 'this target'} ({'; '.join(diffs)}). Serve it with --model {want['model_name']}, "
-            f"or train a head for this target: tandem train --target {target.model_name or 'MODEL'} --method {record['method']}"
+            f"{model_name or 'this target'} ({'; '.join(diffs)}). Serve it with --model {want['model_name']}, "
+            f"or train a head for this target: tandem train --target {model_name or 'MODEL'} --method {record['method']}"
         )
 
 
