@@ -117,15 +117,16 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=0, description="default: the rest of the context; 0 only with echo "
                                                              "(the prompt scored, nothing generated)")
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
+                               description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables")
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="extension")
     repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, allow_inf_nan=False, description="extension")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="subtracted from the logit of every token "
-                                                                      "generated so far")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="times each generated token's count so far, "
-                                                                       "subtracted from its logit")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                    description="subtracted from the logit of every token generated so far")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                     description="times each generated token's count so far, subtracted from its logit")
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
@@ -191,7 +192,8 @@ class SamplingFields(BaseModel):
             raise FieldError("stream_options", "only allowed with stream=true")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise FieldError("max_completion_tokens", "max_tokens and max_completion_tokens differ: send one of them")
+                raise FieldError("max_completion_tokens",
+                                 "max_tokens and max_completion_tokens differ: send one of them")
             self.max_tokens = self.max_completion_tokens
         return self
 

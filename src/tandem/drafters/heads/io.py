@@ -130,7 +130,8 @@ def check_target_shapes(record: dict, cfg, model_name: str, where: str) -> None:
         raise ValueError(
             f"the {record['method']} head at {where} was trained for target {want['model_name']!r}, not for "
             f"{model_name or 'this target'} ({'; '.join(diffs)}). Serve it with --model {want['model_name']}, "
-            f"or train a head for this target: tandem train --target {model_name or 'MODEL'} --method {record['method']}"
+            f"or train a head for this target: tandem train --target {model_name or 'MODEL'} "
+            f"--method {record['method']}"
         )
 
 
