@@ -108,6 +108,18 @@ def test_alternating_slices_give_every_mode_every_prompt(servers):
     for r in report["levels"]["2"].values():
         assert r["num_requests"] == 6 and r["errors"] == 0 and r["wall_seconds"] > 0
     assert report["identity"]["fixed"] == {"compared": 6, "mismatches": 0}
+    assert "off" not in report["identity"] and report["identity_reference"] == "off"
+
+
+def test_one_mode_compares_no_answers(servers, capsys):
+    """Without a second mode there is nothing to hold the answers against: no identity is claimed."""
+    from tandem.bench.serve import print_table, run_sweep
+
+    report = run_sweep({"fixed": servers["fixed"]}, "tiny", ["say hi", "abcabcabc"], [1], requests_per_user=2,
+                       max_tokens=8)
+    assert report["identity"] == {} and report["identity_reference"] is None
+    print_table(report)
+    assert "one mode only" in capsys.readouterr().out
 
 
 def test_a_sampled_sweep_draws_for_the_same_seeds_in_every_mode(servers):
@@ -167,6 +179,17 @@ def test_bench_burst_against_a_running_server(servers, tmp_path, capsys):
     assert "`tandem bench burst`" in render(tmp_path)
 
 
+def test_an_agent_conversation_past_the_context_stops_with_its_reason(servers):
+    """The tiny server's context (160 byte-tokens) holds the first turn but not the third: the
+    answered turns are kept and the refusal is the reason the conversation stopped."""
+    from tandem.bench.agent import converse
+
+    turns, stopped = converse(servers["off"], "tiny", 3, 10, 4)
+    assert 1 <= len(turns) < 3 and stopped.startswith(f"turn {len(turns) + 1}: HTTP 400")
+    turns, stopped = converse(servers["off"], "tiny", 1, 5, 4)
+    assert len(turns) == 1 and stopped is None
+
+
 def test_burst_summary_arithmetic():
     from tandem.bench.burst import Stream, summarize as summarize_burst
 
@@ -181,4 +204,12 @@ def test_burst_summary_arithmetic():
     assert r.itl_during_p50_ms == pytest.approx(40, abs=0.01) and r.itl_after_p50_ms == pytest.approx(20, abs=0.01)
     # A gap belongs to the window its second token lands in: 0.99 -> 1.04 is the burst's worst.
     assert r.itl_during_p99_ms == pytest.approx(50, abs=0.01) and r.itl_p99_over_after == pytest.approx(2.5, abs=0.01)
-    assert r.burst_throughput == pytest.approx(4 / 0.6)
+    assert r.burst_throughput == pytest.approx(4 / 0.6)  # without usage: one token an event
+    # With each answer's usage, its tokens: a speculative round's tokens arrive in one event.
+    burst = [Stream(1.0, [1.2, 1.25], tokens=6), Stream(1.0, [1.4, 1.5], tokens=9)]
+    assert summarize_burst("x", long, burst, start=1.0, end=1.6).burst_throughput == pytest.approx(15 / 0.6)
+    # Running streams that ended before the burst leave its windows empty, which the result names;
+    # a failed request's reason is kept.
+    r = summarize_burst("x", [Stream(0.0, [0.1, 0.2, 0.3])], [Stream(1.0, [1.2]), Stream(1.0, error="HTTP 404")],
+                        start=1.0, end=1.6)
+    assert r.empty_windows == ["during", "after"] and r.first_errors == ["HTTP 404"] and r.errors == 1

@@ -23,7 +23,7 @@ def test_a_short_soak_leaves_nothing_behind_and_drains_on_sigterm(tmp_path):
     assert report["running_after"] == 0 and report["reserved_after"] == 0
     assert report["drained"] == report["drain_in_flight"] == 3
     assert report["exit_code"] == 0
-    # 40 requests never reach the 100th, so the memory check cannot pass here: the only failure.
-    assert [name for name, ok in report["checks"].items() if not ok] == [
-        "RSS growth from request 100 to the end <= 5%"]
-    assert rc == 1
+    # 40 requests never reach the 100th: the memory check is skipped, not failed, and the rest pass.
+    assert report["checks"].pop("RSS growth from request 100 to the end <= 5%") is None
+    assert all(report["checks"].values())
+    assert rc == 0

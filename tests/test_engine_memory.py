@@ -189,7 +189,11 @@ def test_the_server_sizes_max_tokens_to_the_kv_budget_and_reports_its_use():
     try:
         r = httpx.post(f"{server.url}/completions", json={"prompt": "5 6 7", "max_tokens": 50})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert "--max-total-tokens" in r.json()["error"]["message"]
+        assert "--max-total-tokens" in r.json()["error"]["message"] and r.json()["error"]["param"] == "max_tokens"
+        # A prompt that alone outgrows the budget: the prompt is what must change, not max_tokens.
+        r = httpx.post(f"{server.url}/completions", json={"prompt": " ".join(["5"] * 45), "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "alone exceed" in r.json()["error"]["message"]
         r = httpx.post(f"{server.url}/completions", json={"prompt": "5 6 7", "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 37
         metrics = httpx.get(f"{server.url.removesuffix('/v1')}/metrics").text

@@ -4,9 +4,14 @@ already running.
 Per server configuration (each launched in turn as `tandem serve FLAGS`, default: no flags at
 all, or given with --url): a few long streams start first and run alone for a while (their
 unloaded inter-token latency), then a burst of simultaneous streamed chat requests arrives. The
-report gives the burst's TTFT (p50, max), its throughput, and the running streams' inter-token
-gaps before the burst, while its prompts are prefilled, and after (the same batch, all decoding),
-plus the server's resident memory at start and end when it was launched here.
+report gives the burst's TTFT (p50, max), its throughput (completion tokens, from each answer's
+usage), and the running streams' inter-token latency before the burst, while its prompts are
+prefilled, and after (the same batch, all decoding), plus the server's resident memory at start
+and end when it was launched here.
+
+Inter-token latency is the gap between a stream's events, as a streaming client sees it (and as
+vLLM's benchmark counts it): a speculative round's accepted tokens arrive in one event, so where
+the server drafts, an event holds several tokens and its gap is a round's.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Stream:
     sent: float
     pieces: list[float] = field(default_factory=list)
     error: str | None = None
+    tokens: int | None = None  # completion tokens, from the final usage chunk (None: cut off before it)
 
     def gaps_between(self, start: float, end: float) -> list[float]:
         return [b - a for a, b in zip(self.pieces, self.pieces[1:]) if start <= b < end]
@@ -53,7 +59,7 @@ class BurstResult:
     running: int
     ttft_p50_s: float
     ttft_max_s: float
-    burst_throughput: float  # text pieces (about tokens) per second, first burst request to last answer
+    burst_throughput: float  # completion tokens per second, first burst request to last answer
     itl_unloaded_p50_ms: float
     itl_during_p50_ms: float
     itl_during_p99_ms: float
@@ -63,15 +69,19 @@ class BurstResult:
     errors: int
     rss_start_mb: float | None = None
     rss_end_mb: float | None = None
+    first_errors: list[str] = field(default_factory=list)
+    empty_windows: list[str] = field(default_factory=list)  # windows without a gap: their figures read 0
 
 
 async def _stream(http, url: str, model: str, prompt: str, max_tokens: int, out: Stream) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}
+            "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     try:
         async for event in chat_events(http, url, body):
             if event_text(event):
                 out.pieces.append(time.perf_counter())
+            if event.get("usage"):
+                out.tokens = event["usage"]["completion_tokens"]
     except Exception as err:  # reported in the table, not a crashed benchmark
         out.error = repr(err)
 
@@ -104,22 +114,29 @@ def summarize(server: str, long: list[Stream], burst: list[Stream], start: float
     ttfts = sorted(s.pieces[0] - s.sent for s in ok) or [0.0]
     prefilled = max((s.pieces[0] for s in ok), default=end)  # the last burst prompt's first token
 
-    def gaps(a: float, b: float) -> list[float]:
-        return sorted(g for s in long for g in s.gaps_between(a, b)) or [0.0]
+    empty = []
+
+    def gaps(a: float, b: float, window: str) -> list[float]:
+        found = sorted(g for s in long for g in s.gaps_between(a, b))
+        if not found:
+            empty.append(window)
+        return found or [0.0]
 
     def pct(xs: list[float], q: float) -> float:
         return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))]
 
-    before = gaps(0.0, start)
-    during = gaps(start, prefilled)
-    after = gaps(prefilled, end)
+    before = gaps(0.0, start, "before")
+    during = gaps(start, prefilled, "during")
+    after = gaps(prefilled, end, "after")
+    errors = [s.error for s in burst if s.error] + [s.error for s in long if s.error and "Cancelled" not in s.error]
     return BurstResult(
         server=server, burst=len(burst), running=len(long), ttft_p50_s=ttfts[len(ttfts) // 2], ttft_max_s=ttfts[-1],
-        burst_throughput=sum(len(s.pieces) for s in ok) / (end - start),
+        burst_throughput=sum(s.tokens or len(s.pieces) for s in ok) / (end - start),
         itl_unloaded_p50_ms=pct(before, 0.5), itl_during_p50_ms=pct(during, 0.5), itl_during_p99_ms=pct(during, 0.99),
         itl_after_p50_ms=pct(after, 0.5), itl_p99_over_unloaded=pct(during, 0.99) / max(pct(before, 0.5), 1e-9),
         itl_p99_over_after=pct(during, 0.99) / max(pct(after, 0.5), 1e-9),
         errors=len(burst) - len(ok) + sum(1 for s in long if s.error and "Cancelled" not in s.error),
+        first_errors=errors[:3], empty_windows=empty,
     )
 
 
@@ -171,6 +188,11 @@ def print_table(report: dict) -> None:
               f"{r['itl_unloaded_p50_ms']:8.1f}ms {r['itl_during_p50_ms']:8.1f}ms {r['itl_during_p99_ms']:5.0f}ms "
               f"{r['itl_after_p50_ms']:5.1f}ms {r['itl_p99_over_unloaded']:9.1f}x {r['itl_p99_over_after']:8.1f}x "
               f"{rss:>11} {r['errors']:3d}")
+        if r.get("empty_windows"):
+            print(f"  no running stream had a gap {' or '.join(r['empty_windows'])} the burst (they had finished: "
+                  "raise --running-max-tokens); those figures read 0")
+        for err in r.get("first_errors") or ():
+            print(f"  error: {err}")
 
 
 def add_burst_bench_parser(kinds) -> None:

@@ -222,10 +222,14 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                            code="context_length_exceeded")
         # Admission reserves prompt + max_tokens of KV cache (Admission.max_total_tokens for all requests).
         kv_room = engine.admission.max_tokens_room(len(p))
-        if kv_room < 1 or (body.max_tokens is not None and body.max_tokens > kv_room):
-            raise APIError(400, f"the prompt's {len(p)} tokens and max_tokens {body.max_tokens} exceed the KV cache this "
-                                f"server holds for all requests ({engine.admission.max_total_tokens} tokens, --max-total-tokens): "
-                                f"ask for at most {max(kv_room, 0)} tokens", param="max_tokens",
+        if kv_room < 1:
+            raise APIError(400, f"the prompt's {len(p)} tokens alone exceed the KV cache this server holds for all "
+                                f"requests ({engine.admission.max_total_tokens} tokens, --max-total-tokens): shorten "
+                                "the prompt", param=param, code="context_length_exceeded")
+        if body.max_tokens is not None and body.max_tokens > kv_room:
+            raise APIError(400, f"the prompt's {len(p)} tokens and max_tokens {body.max_tokens} exceed the KV cache "
+                                f"this server holds for all requests ({engine.admission.max_total_tokens} tokens, "
+                                f"--max-total-tokens): ask for at most {kv_room} tokens", param="max_tokens",
                            code="context_length_exceeded")
         room = kv_room
         choices = []
