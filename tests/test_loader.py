@@ -21,6 +21,28 @@ def test_missing_gguf_file(tmp_path):
         resolve_model(str(tmp_path / "absent.gguf"))
 
 
+def test_a_builtin_named_by_its_file_is_the_builtin(tmp_path, monkeypatch):
+    """The bundled GGUF given by path resolves to the built-in name (its shipped drafters follow
+    the name); a copy elsewhere is a model of its own; a truncated file is a clear error that
+    leaves nothing in the cache."""
+    from tandem.model.catalogue import BUILTIN_MODELS, builtin_name
+    from tandem.model.loader import model_config
+
+    gguf = BUILTIN_MODELS["smollm2-135m-instruct"]()
+    assert builtin_name(str(gguf)) == resolve_model(str(gguf)).name == "smollm2-135m-instruct"
+    link = tmp_path / "same.gguf"
+    link.symlink_to(gguf)
+    assert builtin_name(str(link)) == "smollm2-135m-instruct"  # the same file
+    cut = tmp_path / "cut.gguf"
+    with gguf.open("rb") as f:
+        cut.write_bytes(f.read(100_000))
+    assert builtin_name(str(cut)) is None
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelNotFoundError, match="not a complete GGUF"):
+        model_config(str(cut))
+    assert not any((tmp_path / "cache" / "models").glob("*.tmp"))
+
+
 def test_directory_without_config(tmp_path):
     with pytest.raises(ModelNotFoundError, match="config.json"):
         resolve_model(str(tmp_path))

@@ -340,6 +340,17 @@ def test_n_choices_with_seeds(plain_server):
     assert [texts[i] for i in range(3)] == [ch.text for ch in a.choices]
 
 
+def test_null_sampling_fields_mean_their_defaults(spec_server):
+    """OpenAI's fields are nullable (the playground sends null for a cleared box): null temperature,
+    top_p, top_k, n ... are the defaults, not a 400."""
+    server, _ = spec_server
+    base = {"prompt": PROMPTS[0], "max_tokens": 6, "seed": 3, "speculative_num_draft_tokens": 0}  # seeded: exact
+    want = httpx.post(server.url + "/completions", json=base, timeout=30).json()["choices"][0]["text"]
+    r = httpx.post(server.url + "/completions", json={**base, "temperature": None, "top_p": None, "top_k": None,
+                                                     "n": None, "stream": None, "presence_penalty": None}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+
+
 def test_stop_token_ids_end_the_choice_without_their_text(spec_server):
     """vLLM's stop_token_ids: the answer ends after the first of them, which counts as a
     completion token and leaves no text, and unknown fields are ignored."""

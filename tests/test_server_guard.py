@@ -215,3 +215,20 @@ def test_the_server_leaves_a_core_to_its_http_thread(monkeypatch):
     assert launch_server.server_threads(None) == 1
     monkeypatch.setattr(launch_server.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert launch_server.server_threads(None) == 7
+
+
+def test_an_address_the_server_cannot_listen_on_is_refused_before_loading():
+    """`tandem serve` checks its --host/--port before the model loads (the first request must not
+    be what finds out): a port in use, a host that does not resolve; a free port (0) passes."""
+    import socket
+
+    from tandem.launch_server import check_listenable
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match="in use"):
+            check_listenable("127.0.0.1", taken.getsockname()[1])
+    with pytest.raises(ValueError, match="--host 'not_a_host'"):
+        check_listenable("not_a_host", 8000)
+    check_listenable("127.0.0.1", 0)

@@ -12,6 +12,7 @@ from tandem.advise import add_advise_parser
 from tandem.audit import run_audit
 from tandem.bench.cli import add_bench_parser
 from tandem.flags import (
+    NO_SPECULATION,
     add_model_args,
     add_sampling_args,
     add_spec_args,
@@ -89,8 +90,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    if not args.speculative_algorithm:
-        raise ValueError("audit needs --speculative-algorithm")
+    if not args.speculative_algorithm or args.speculative_algorithm.lower() in NO_SPECULATION:
+        raise ValueError("audit needs a drafter: --speculative-algorithm NAME")
     params = sampling_from_args(args)
     llm = llm_from_args(args)
     prompt_ids = llm.encode(args.prompt, chat=args.chat)

@@ -129,9 +129,15 @@ def drafter_policy(algorithm: str | None) -> str | None:
     return getattr(registry.lookup(algorithm, "drafter"), "serving_policy", None)
 
 
+# --speculative-algorithm values that mean plain decoding, for every command.
+NO_SPECULATION = ("none", "off")
+
+
 def spec_from_args(args: argparse.Namespace, algorithm: str | None, default_policy: str | None = None) -> SpecConfig:
-    """The --speculative-* flags as the SpecConfig of `algorithm` (None: no speculation). An unset
-    --speculative-policy becomes the drafter's own (drafter_policy), else `default_policy` (None:
-    SpecConfig's)."""
+    """The --speculative-* flags as the SpecConfig of `algorithm` (None, none or off: no
+    speculation). An unset --speculative-policy becomes the drafter's own (drafter_policy), else
+    `default_policy` (None: SpecConfig's)."""
+    if algorithm is not None and algorithm.lower() in NO_SPECULATION:
+        algorithm = None
     policy = args.speculative_policy or drafter_policy(algorithm) or default_policy
     return SpecConfig.from_prefixed({**vars(args), "speculative_algorithm": algorithm, "speculative_policy": policy})

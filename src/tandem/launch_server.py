@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from tandem.config import EngineConfig, ServerConfig
 from tandem.engine.engine import Engine
 from tandem.flags import add_model_args, add_spec_args, spec_from_args
 from tandem.llm import configure_threads
-from tandem.model.catalogue import DEFAULT_DRAFTERS
+from tandem.model.catalogue import DEFAULT_DRAFTERS, builtin_name
 from tandem.model.loader import load_model, return_freed_memory
 from tandem.scheduler.profile import cost_curve_for
 from tandem.server.app import build_app
@@ -35,7 +36,6 @@ from tandem.server.metrics import ServerMetrics
 # Drafter.serving_policy); the library keeps SpecConfig's "fixed" (what you configure is what
 # runs) because a policy without a measured cost curve cannot adapt.
 SERVE_POLICY = "adaptive"
-NO_SPECULATION = ("none", "off")
 # 64 requests decode together by default: the KV cache commits memory only for the tokens they
 # hold (model/kv_cache.py), so the rows cost nothing until used. With 32, a burst of 32 beside a
 # few running streams queued its last prompts behind whole answers (docs/serving.md).
@@ -94,10 +94,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     algorithm = args.speculative_algorithm
     if algorithm is None:
-        algorithm = DEFAULT_DRAFTERS.get(args.model)
-    elif algorithm.lower() in NO_SPECULATION:
-        algorithm = None
-    spec = spec_from_args(args, algorithm, SERVE_POLICY)
+        algorithm = DEFAULT_DRAFTERS.get(builtin_name(args.model) or args.model)
+    spec = spec_from_args(args, algorithm, SERVE_POLICY)  # none / off: plain decoding
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_running_requests, threads=args.threads, spec=spec,
@@ -173,10 +171,28 @@ def resident_bytes(pid: int | str = "self") -> int:
     return 0
 
 
+def check_listenable(host: str, port: int) -> None:
+    """Refuse, before the model loads, an address the server could not listen on (a host that
+    does not resolve, a port in use): a ValueError naming it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host!r} is not an address to listen on: {err.strerror}") from err
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise ValueError(f"cannot listen on {host}:{port}: {err.strerror}") from err
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
+    check_listenable(server_config.host, server_config.port)
     app = build_server_app(engine_config, server_config)
     spec = engine_config.spec
-    print(f"tandem serving {engine_config.model} on http://{server_config.host}:{server_config.port}/v1 "
+    where = (f"http://{server_config.host}:{server_config.port}/v1" if server_config.port
+             else f"a free port of {server_config.host} (uvicorn names it below)")
+    print(f"tandem serving {engine_config.model} on {where} "
           f"(speculation: {spec.algorithm or 'off'}"
           f"{f', policy {spec.policy}, up to {spec.max_draft_len} draft tokens' if spec.algorithm else ''})",
           flush=True)

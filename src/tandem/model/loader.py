@@ -51,8 +51,13 @@ def _ensure_gguf_metadata(src: ModelSource) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     folder, fname = str(src.gguf_path.parent), src.gguf_path.name
-    AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
-    AutoConfig.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+    try:
+        AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+        AutoConfig.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+    except Exception as err:  # a truncated or foreign file: say so, and leave nothing half-made
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelNotFoundError(f"{src.gguf_path} is not a complete GGUF model that transformers can read "
+                                 f"({type(err).__name__}: {err})") from err
     src.hf_dir.parent.mkdir(parents=True, exist_ok=True)
     if src.hf_dir.exists():
         shutil.rmtree(tmp)
@@ -203,6 +208,11 @@ def load_model(
 ) -> LoadedModel:
     from transformers import AutoTokenizer  # lazy: transformers takes seconds to import
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch finds no CUDA GPU here ("
+                         + ("this torch is built without CUDA" if not torch.backends.cuda.is_built()
+                            else "no device is visible") + "); use --device cpu")
+
     src = resolve_model(name)
     if src.gguf_path is not None:
         _ensure_gguf_metadata(src)
@@ -212,6 +222,10 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, quant, device)
     # tandem's block kernels take fp32 activations; bf16 activations stay on torch's kernels.
     kernels = resolve_kernels(quant, device) if torch_dtype == torch.float32 else "torch"
+    if kernels == "torch" and device == "cpu" and quant != "none" and resolve_kernels(quant, device) == "block":
+        log.warning("%s with %s activations runs on torch's int kernels, not tandem's block kernels: many times "
+                    "slower on a CPU (--dtype float32, the default here, uses the block kernels)", quant,
+                    str(torch_dtype).removeprefix("torch."))
     if quant == "native":
         weights = GGUFSource(src.gguf_path, cfg, torch_dtype, kernels)
     else:

@@ -157,7 +157,14 @@ class SamplingFields(BaseModel):
         if at is not None:
             raise FieldError(at, "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
                                  "which is not text")
+        if isinstance(data, dict):  # null is "unset" (OpenAI's fields are nullable): the field's default
+            data = {k: v for k, v in data.items() if v is not None or k not in cls._null_means_default()}
         return data
+
+    @classmethod
+    def _null_means_default(cls) -> frozenset[str]:
+        """The fields whose default is a value, not None: a null sent for one of them means that default."""
+        return frozenset(name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None)
 
     @field_validator("stop")
     @classmethod
