@@ -459,3 +459,16 @@ def test_a_round_the_drafter_missed_restarts_its_cache(variant, saved):
     assert len(draft) == 3
     assert settled_lengths(drafter, inp) == expected_lengths(drafter, inp)
     assert settled_lengths(drafter, inp)[0] == 3  # positions 7, 8, 9: kept, not restarted again
+
+
+def test_a_head_drafter_without_a_head_is_refused_before_anything_slow():
+    """The library and the server check this before measuring the cost profile (seconds): a
+    trained-head drafter for a model tandem ships no head for, and no path given."""
+    from tandem.drafters.heads.serving import check_head_available
+
+    for method in ("eagle3", "dspark", "medusa"):
+        with pytest.raises(ValueError, match="ships none for tiny"):
+            check_head_available(SpecConfig(algorithm=method), "tiny")
+        check_head_available(SpecConfig(algorithm=method, draft_model_path="/some/head"), "tiny")  # given: later
+    check_head_available(SpecConfig(algorithm="suffix"), "tiny")
+    check_head_available(SpecConfig(), "tiny")

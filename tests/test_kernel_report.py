@@ -69,3 +69,16 @@ def test_gguf_step_bytes_skip_the_embedding_only_when_the_head_is_separate(tmp_p
     assert kr.gguf_step_bytes(tied) == embd.nbytes + norm.nbytes
     untied = write("untied.gguf", {"token_embd.weight": embd, "output.weight": out, "blk.0.attn_norm.weight": norm})
     assert kr.gguf_step_bytes(untied) == out.nbytes + norm.nbytes
+
+
+def test_the_bench_base_table_fits_its_longest_configuration_name(capsys):
+    from tandem.bench.base import CURVE_SIZES, print_table
+
+    curve = {n: float(n) for n in (1, *CURVE_SIZES)}
+    rows = [{"name": name, "tokens_per_second": tps, "bandwidth_fraction": 0.5, "weight_bytes": 1e8,
+             "cost_curve": curve, "agreement_tokens": 8} for name, tps in
+            (("tandem native", 100.0), ("tandem native/float32 (tandem avx512, a long name)", 90.0))]
+    print_table({"results": rows, "max_new_tokens": 8})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("configuration", "tandem"))]
+    assert len(lines) == 3 and len({line.index(" tok/s") + 6 for line in lines[:1]} | {
+        line.index(f"{tps:7.1f}") + 7 for line, tps in zip(lines[1:], (100.0, 90.0))}) == 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from tandem.config import EngineConfig, ServerConfig
+from tandem.drafters.heads.serving import check_head_available
 from tandem.engine.engine import Engine
 from tandem.flags import add_model_args, add_spec_args, spec_from_args
 from tandem.llm import configure_threads
@@ -131,6 +132,7 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig,
     loaded = load_model(engine_config.model, dtype=engine_config.dtype, quantization=engine_config.quantization,
                         device=engine_config.device, kv_cache_dtype=engine_config.kv_cache_dtype)
     spec = engine_config.spec
+    check_head_available(spec, loaded.name)  # before the cost profile, which takes seconds
     curve = None
     if spec.algorithm and spec.needs_cost_curve:
         curve = cost_curve_for(loaded, engine_config.device, threads, server_config.cost_profile,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.drafters.heads.serving import check_head_available
 from tandem.engine.engine import Engine
 from tandem.engine.request import Request
 from tandem.model.catalogue import DEFAULT_MODEL
@@ -80,6 +81,7 @@ class LLM:
         # The adaptive policy and the confidence scheduler need the target's cost curve: measured
         # once per model, kernels, KV dtype, machine and thread count, then read from the cache
         # (as tandem serve does).
+        check_head_available(spec, self.loaded.name)  # before the cost profile, which takes seconds
         curve = cost_curve_for(self.loaded, device, threads) if spec.needs_cost_curve else None
         self.engine = Engine(self.loaded, self.config, cost_curve=curve)
         # Loading leaves millions of long-lived objects; keep the cyclic GC from rescanning them

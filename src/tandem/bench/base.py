@@ -237,7 +237,8 @@ def save_report(report: dict, path: str) -> None:
 def print_table(report: dict) -> None:
     results = report["results"]
     ref = next((r["tokens_per_second"] for r in results if r["name"].startswith("transformers")), None)
-    head = (f"{'configuration':30} {'tok/s':>7} {'vs HF':>6} {'BW use':>7} {'weights':>8} {'agree':>7}"
+    width = max([30, *(len(r["name"]) for r in results)])  # the longest configuration name sets the column
+    head = (f"{'configuration':{width}} {'tok/s':>7} {'vs HF':>6} {'BW use':>7} {'weights':>8} {'agree':>7}"
             "  cost curve n=" + "/".join(map(str, CURVE_SIZES)))
     print(head)
     print("-" * len(head))
@@ -248,7 +249,7 @@ def print_table(report: dict) -> None:
         curve = r["cost_curve"]
         c = "/".join(f"{curve[n] / curve[1]:.2f}" for n in CURVE_SIZES) if curve else "-"
         agree = f"{r['agreement_tokens']:.0f}" if r.get("agreement_tokens") is not None else "-"
-        print(f"{r['name']:30} {r['tokens_per_second']:7.1f} {ratio:>6} {bw:>7} {mb:>8} {agree:>7}  {c}")
+        print(f"{r['name']:{width}} {r['tokens_per_second']:7.1f} {ratio:>6} {bw:>7} {mb:>8} {agree:>7}  {c}")
     print("agree: mean greedy tokens before the first divergence from tandem fp32 "
           f"(= transformers fp32 greedy), out of {report['max_new_tokens']}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tandem.config import SpecConfig
+from tandem.drafters import registry
 from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
 from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir
 from tandem.model.block_linear import BLOCK, BlockQ8Linear
@@ -38,6 +39,27 @@ def serving_kernels(head: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
+def head_path(spec: SpecConfig, model_name: str, method: str):
+    """The head a `method` drafter serves: --speculative-draft-model-path, else the one tandem
+    ships for the model; a ValueError saying what to do when there is neither."""
+    path = spec.draft_model_path or shipped_head_dir(model_name, method)
+    if path is None:
+        raise ValueError(
+            f"the {method} drafter serves a trained head and tandem ships none for {model_name}: "
+            f"set speculative_draft_model_path (--speculative-draft-model-path) to a directory made by "
+            f"`tandem train --method {method}`"
+        )
+    return path
+
+
+def check_head_available(spec: SpecConfig, model_name: str) -> None:
+    """Refuse a trained-head drafter without a head before anything slow runs (the cost profile
+    the policy needs is measured before the drafter is built)."""
+    drafter = registry.lookup(spec.algorithm, "drafter") if spec.algorithm else None
+    if drafter is not None and issubclass(drafter, HeadDrafter):
+        head_path(spec, model_name, spec.algorithm)
+
+
 class HeadDrafter(Drafter):
     """Base of the drafters that serve a head trained by `tandem train` (medusa, eagle, eagle3, mtp, dflash)."""
 
@@ -49,13 +71,7 @@ class HeadDrafter(Drafter):
                 f"the {name} drafter needs the target's embedding and LM head: build its TargetInfo "
                 "with TargetInfo.of(loaded, ...)"
             )
-        path = spec.draft_model_path or shipped_head_dir(target.parts.model_name, name)
-        if path is None:
-            raise ValueError(
-                f"the {name} drafter serves a trained head and tandem ships none for {target.parts.model_name}: "
-                f"set speculative_draft_model_path (--speculative-draft-model-path) to a directory made by "
-                f"`tandem train --method {name}`"
-            )
+        path = head_path(spec, target.parts.model_name, name)
         method = read_head_config(path)["method"]
         if method != name:
             raise ValueError(f"{path} holds a {method} head; serve it with --speculative-algorithm {method}")
