@@ -259,6 +259,9 @@ def test_parse_methods():
         parse_methods(["dspark@sched=1@adaptive=1"])
     with pytest.raises(ValueError, match="bad option 'depth=3'"):
         parse_methods(["eagle3@depth=3"])
+    # The flag the items came from is what the errors name, after other options too (advise's --drafters).
+    with pytest.raises(ValueError, match="in --drafters item"):
+        parse_methods(["suffix@lookup=0@depth=3"], "--drafters")
     with pytest.raises(ValueError, match="bad option 'topk=x'"):
         parse_methods(["eagle3@topk=x"])
 

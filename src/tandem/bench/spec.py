@@ -139,8 +139,8 @@ def parse_methods(items: list[str], flag: str = "--methods") -> list[Method]:
                 raise ValueError(f"bad option {option!r} in {flag} item {item!r}; use @k=N, @topk=N, @steps=N, "
                                  "@lookup=0|1, @corpus=0|1, @sched=0|1 (the confidence scheduler) or @adaptive=0|1 "
                                  "(the adaptive policy)")
-            flag = key in ("lookup", "corpus", "sched", "adaptive")
-            fields[METHOD_OPTIONS[key]] = bool(int(value)) if flag else int(value)
+            switch = key in ("lookup", "corpus", "sched", "adaptive")
+            fields[METHOD_OPTIONS[key]] = bool(int(value)) if switch else int(value)
         try:
             methods.append(Method(name, path or None, **fields))
         except ValueError as err:

@@ -221,8 +221,9 @@ def load_model(
     quant = resolve_quantization(quantization, src, device)
     torch_dtype = resolve_dtype(dtype, quant, device)
     # tandem's block kernels take fp32 activations; bf16 activations stay on torch's kernels.
-    kernels = resolve_kernels(quant, device) if torch_dtype == torch.float32 else "torch"
-    if kernels == "torch" and device == "cpu" and quant != "none" and resolve_kernels(quant, device) == "block":
+    block = resolve_kernels(quant, device)
+    kernels = block if torch_dtype == torch.float32 else "torch"
+    if kernels == "torch" and block == "block" and device == "cpu":
         log.warning("%s with %s activations runs on torch's int kernels, not tandem's block kernels: many times "
                     "slower on a CPU (--dtype float32, the default here, uses the block kernels)", quant,
                     str(torch_dtype).removeprefix("torch."))

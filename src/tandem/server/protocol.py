@@ -9,6 +9,7 @@ the target) and each round's acceptance; without it no choice carries the field.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -162,6 +163,7 @@ class SamplingFields(BaseModel):
         return data
 
     @classmethod
+    @functools.cache  # per request class, once: not per request
     def _null_means_default(cls) -> frozenset[str]:
         """The fields whose default is a value, not None: a null sent for one means that default."""
         return frozenset(name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None)
