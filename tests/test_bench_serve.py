@@ -95,6 +95,9 @@ def test_url_flag_is_checked():
         _parse_url("off=ftp://x")
     # a mode's own options hold '=' too
     assert _parse_url("adaptive:suffix@corpus=0=http://x/v1") == ("adaptive:suffix@corpus=0", "http://x/v1")
+    # the server's address alone names its API too
+    assert _parse_url("off=http://127.0.0.1:9") == ("off", "http://127.0.0.1:9/v1")
+    assert _parse_url("off=http://127.0.0.1:9/") == ("off", "http://127.0.0.1:9/v1")
 
 
 def test_alternating_slices_give_every_mode_every_prompt(servers):
@@ -119,7 +122,10 @@ def test_one_mode_compares_no_answers(servers, capsys):
                        max_tokens=8)
     assert report["identity"] == {} and report["identity_reference"] is None
     print_table(report)
-    assert "one mode only" in capsys.readouterr().out
+    assert "add `off` to --modes" in capsys.readouterr().out
+    report = run_sweep({"off": servers["off"]}, "tiny", ["say hi"], [1], requests_per_user=1, max_tokens=4)
+    print_table(report)
+    assert "add a speculative mode to --modes" in capsys.readouterr().out
 
 
 def test_a_sampled_sweep_draws_for_the_same_seeds_in_every_mode(servers):
@@ -166,7 +172,9 @@ def test_bench_burst_against_a_running_server(servers, tmp_path, capsys):
     out = tmp_path / "serve" / "bench_burst.json"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("count: 1 2 3\nsay hi\n")
-    argv = ["bench", "burst", "--model", "tiny", "--url", servers["off"], "--burst", "3", "--running", "1",
+    assert servers["off"].endswith("/v1")
+    server = servers["off"].removesuffix("/v1")  # the address alone names the API as well
+    argv = ["bench", "burst", "--model", "tiny", "--url", server, "--burst", "3", "--running", "1",
             "--prompts-file", str(prompts),
             "--unloaded-seconds", "0.2", "--max-tokens", "6", "--running-max-tokens", "40", "--out", str(out)]
     assert main(argv) == 0

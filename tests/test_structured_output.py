@@ -420,3 +420,11 @@ def test_bad_tool_requests_are_a_400(chat_server, extra, param):
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] and (param is None or r.json()["error"]["param"] == param)
+
+
+def test_the_library_exports_what_its_docs_use():
+    """docs/serving.md imports StructuredOutput from `tandem`, beside LLM and SamplingParams."""
+    import tandem
+
+    assert tandem.StructuredOutput is StructuredOutput and tandem.SamplingParams is SamplingParams
+    assert set(tandem.__all__) >= {"LLM", "SamplingParams", "StructuredOutput"}

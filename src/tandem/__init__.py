@@ -1,8 +1,8 @@
 """tandem: lossless speculative decoding for PyTorch."""
 
-from tandem.config import SamplingParams, SpecConfig, EngineConfig  # noqa: F401
+from tandem.config import EngineConfig, SamplingParams, SpecConfig, StructuredOutput  # noqa: F401
 
-__all__ = ["LLM", "SamplingParams", "SpecConfig", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "SpecConfig", "EngineConfig", "StructuredOutput"]
 __version__ = "0.1.0"
 
 

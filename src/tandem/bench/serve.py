@@ -26,6 +26,7 @@ from tqdm import tqdm
 from tandem.bench.prompts import SPEC_BENCH_SUBTASKS, load_prompt_file, spread_prompts
 from tandem.bench.server_process import (
     ServerError,
+    api_base,
     chat_events,
     event_text,
     start_server,
@@ -33,6 +34,7 @@ from tandem.bench.server_process import (
 )
 from tandem.bench.spec import machine_info
 from tandem.bench.steal import StealMeter, steal_notice
+from tandem.launch_server import SERVE_MAX_RUNNING_REQUESTS
 from tandem.model.catalogue import DEFAULT_MODEL
 
 MODES = ("adaptive", "fixed", "off")
@@ -302,7 +304,8 @@ def print_table(report: dict) -> None:
             print(f"{mode}: {ident['mismatches']} of {ident['compared']} answers differ from {against!r} "
                   "(greedy: expect 0)")
     if len(report["modes"]) == 1 and not report["sampling"].get("temperature"):
-        print("one mode only: no answers to compare (add `off` to --modes for the greedy identity check)")
+        other = "a speculative mode" if report["modes"] == ["off"] else "`off`"
+        print(f"one mode only: no answers to compare (add {other} to --modes for the greedy identity check)")
 
 
 def plot(report: dict, path: str) -> None:
@@ -426,8 +429,8 @@ def _exit_on_signal(signum, frame):
 def _parse_url(spec: str) -> tuple[str, str]:
     mode, sep, rest = spec.partition("=http")  # a mode may hold '=' itself (`adaptive:suffix@corpus=0`)
     if not sep:
-        raise ValueError(f"--url takes MODE=URL with URL like http://host:port/v1, got {spec!r}")
-    return checked_mode(mode), ("http" + rest).rstrip("/")
+        raise ValueError(f"--url takes MODE=URL with URL like http://host:port (or .../v1), got {spec!r}")
+    return checked_mode(mode), api_base("http" + rest)
 
 
 def add_serve_bench_parser(kinds) -> None:
@@ -456,7 +459,8 @@ def add_serve_bench_parser(kinds) -> None:
     p.add_argument("--alternations", type=int, default=1,
                    help="split each level's requests into this many slices and run the modes in turn on each "
                         "(rotating which goes first): on a noisy machine every mode then sees the same drift")
-    p.add_argument("--max-running-requests", type=int, default=32, help="launched servers' running slots")
+    p.add_argument("--max-running-requests", type=int, default=SERVE_MAX_RUNNING_REQUESTS,
+                   help="launched servers' running slots (default: tandem serve's)")
     p.add_argument("--note", default=None,
                    help="what the report should say about this run (e.g. which build a --url server runs)")
     p.add_argument("--max-model-len", type=int, default=2048)

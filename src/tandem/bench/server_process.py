@@ -57,6 +57,13 @@ def start_with_flags(flags: str, model: str, log_path: Path) -> tuple[subprocess
     return start_server(model, shlex.split(flags), log_path, f"`tandem serve {flags}`" if flags else "`tandem serve`")
 
 
+def api_base(url: str) -> str:
+    """A server's API base as the clients here take it (ending in /v1): `http://host:port`,
+    `http://host:port/` and `http://host:port/v1` all name the same one."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
