@@ -490,6 +490,20 @@ ERRORS = [
     ("/completions", {"prompt": [1, 2], "stop_token_ids": [500]}, 400, "stop_token_ids"),
     ("/completions", {"prompt": [1, 2], "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens"),
     ("/completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    # the wrong JSON type is refused, not converted (as OpenAI's API does)
+    ("/completions", {"prompt": [1, 2], "max_tokens": "7"}, 400, "max_tokens"),
+    ("/completions", {"prompt": [1, 2], "max_tokens": True}, 400, "max_tokens"),
+    ("/completions", {"prompt": [1, 2], "max_tokens": 7.0}, 400, "max_tokens"),
+    ("/completions", {"prompt": [1, 2], "n": "2"}, 400, "n"),
+    ("/completions", {"prompt": [1, 2], "seed": True}, 400, "seed"),
+    ("/completions", {"prompt": [1, 2], "temperature": True}, 400, "temperature"),
+    ("/completions", {"prompt": [1, 2], "temperature": "0.5"}, 400, "temperature"),
+    ("/completions", {"prompt": [1, 2], "logprobs": True}, 400, "logprobs"),
+    ("/completions", {"prompt": [1, 2], "logit_bias": {"5": True}}, 400, "logit_bias.5"),
+    ("/completions", {"prompt": [1, 2], "stream": 1}, 400, "stream"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "logprobs": 1}, 400, "logprobs"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "1"}], "logprobs": True, "top_logprobs": True},
+     400, "top_logprobs"),
 ]
 
 

@@ -56,3 +56,31 @@ def test_llm_refuses_unknown_or_doubled_speculative_settings():
         LLM(speculative_num_draft_token=4)
     with pytest.raises(ValueError, match="not both"):
         LLM(spec=SpecConfig(algorithm="ngram"), speculative_policy="adaptive")
+
+
+@pytest.mark.parametrize("name", ["none", "off", "OFF"])
+def test_none_and_off_are_plain_decoding_in_the_library_too(name):
+    """`--speculative-algorithm none` works for every command; the library's keyword takes the same names."""
+    assert SpecConfig(algorithm=name).algorithm is None
+    assert SpecConfig.from_prefixed({"speculative_algorithm": name}) == SpecConfig()
+
+
+def test_a_tree_reports_and_reserves_its_nodes_not_its_depth():
+    """A tree of 10 nodes, 5 deep, verifies and writes up to 10 draft tokens a round: that is what
+    /v1/models and the startup line report and what admission reserves past a request's last token."""
+    from tandem.engine.admission import Admission
+
+    tree = SpecConfig(algorithm="eagle3", eagle_topk=3, num_draft_tokens=10)
+    chain = SpecConfig(algorithm="eagle3", num_draft_tokens=4, num_steps=3)
+    assert (tree.max_draft_len, tree.max_round_tokens) == (5, 10)
+    assert (chain.max_draft_len, chain.max_round_tokens) == (3, 3)
+    assert tree.describe() == "a tree of up to 10 draft tokens, 5 deep" and chain.describe() == "up to 3 draft tokens"
+
+    class Cache:
+        def token_budget(self, fraction, total):
+            return 10_000
+
+    from tandem.config import EngineConfig
+
+    assert Admission(Cache(), EngineConfig(spec=tree), True).draft_slots == 10
+    assert Admission(Cache(), EngineConfig(spec=chain), True).draft_slots == 3

@@ -102,12 +102,13 @@ def test_a_json_schema_is_followed():
 @pytest.mark.parametrize("spec, message", [
     (StructuredOutput(regex="(ab"), "unclosed group"),
     (StructuredOutput(grammar="start: nowhere"), "unknown name"),
+    (StructuredOutput(regex=r"[^\s\S]"), "matches no text"),  # compiles, and no output could match it
 ])
 def test_a_spec_that_does_not_compile_is_refused(spec, message):
     with pytest.raises(GrammarError, match=message):
         compiler().check(spec)
     llm = LLM.from_loaded(constrained_loaded(), EngineConfig(max_model_len=128))
-    with pytest.raises(ValueError, match="does not compile"):
+    with pytest.raises(ValueError, match=message):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, structured_output=spec))
 
 
@@ -401,6 +402,20 @@ def test_a_required_tool_call_names_one_of_the_tools(chat_server):
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1 + 2?"}], max_tokens=8,
                                            temperature=0, tools=[WEATHER, ADD], tool_choice=choice)
         assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_function_without_parameters_is_called_without_arguments(chat_server):
+    """OpenAI: omitting `parameters` defines a function with an empty parameter list."""
+    import openai
+
+    server, _ = chat_server
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    ping = {"type": "function", "function": {"name": "ping"}}
+    for choice in ("required", {"type": "function", "function": {"name": "ping"}}):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ping?"}],
+                                           max_tokens=40, temperature=0, tools=[ping], tool_choice=choice)
+        call = r.choices[0].message.tool_calls[0]
+        assert (call.function.name, call.function.arguments) == ("ping", "{}")
 
 
 @pytest.mark.parametrize("extra, param", [

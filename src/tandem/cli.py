@@ -11,8 +11,8 @@ import time
 from tandem.advise import add_advise_parser
 from tandem.audit import run_audit
 from tandem.bench.cli import add_bench_parser
+from tandem.config import NO_SPECULATION
 from tandem.flags import (
-    NO_SPECULATION,
     add_model_args,
     add_sampling_args,
     add_spec_args,

@@ -179,6 +179,8 @@ class SamplingParams:
 
 
 SPEC_POLICIES = ("fixed", "adaptive", "confidence")
+# Algorithm names that mean plain decoding, for every command and the library.
+NO_SPECULATION = ("none", "off")
 TREE_DEPTH = 5  # a tree's depth when --speculative-num-steps is not given
 
 
@@ -219,6 +221,8 @@ class SpecConfig:
     min_survival: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.algorithm, str) and self.algorithm.lower() in NO_SPECULATION:
+            object.__setattr__(self, "algorithm", None)  # "none" and "off" are plain decoding, as None is
         if self.num_draft_tokens < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if not (1 <= self.ngram_min <= self.ngram_max):
@@ -260,6 +264,18 @@ class SpecConfig:
         """The longest chain (deepest tree path) one round may draft."""
         default = TREE_DEPTH if self.tree else self.num_draft_tokens
         return min(self.num_steps or default, self.num_draft_tokens)
+
+    @property
+    def max_round_tokens(self) -> int:
+        """The most draft tokens one round verifies: a tree's nodes, a chain's length."""
+        return self.num_draft_tokens if self.tree else self.max_draft_len
+
+    def describe(self) -> str:
+        """The drafting shape in words, for logs: 'up to 4 draft tokens', or for a tree 'a tree
+        of up to 10 draft tokens, 5 deep'."""
+        if self.tree:
+            return f"a tree of up to {self.max_round_tokens} draft tokens, {self.max_draft_len} deep"
+        return f"up to {self.max_round_tokens} draft tokens"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from tandem.config import (
     KV_CACHE_ALIASES,
     KV_CACHE_DTYPES,
+    NO_SPECULATION,
     QUANTIZATIONS,
     SPEC_POLICIES,
     SamplingParams,
@@ -129,15 +130,11 @@ def drafter_policy(algorithm: str | None) -> str | None:
     return getattr(registry.lookup(algorithm, "drafter"), "serving_policy", None)
 
 
-# --speculative-algorithm values that mean plain decoding, for every command.
-NO_SPECULATION = ("none", "off")
-
-
 def spec_from_args(args: argparse.Namespace, algorithm: str | None, default_policy: str | None = None) -> SpecConfig:
     """The --speculative-* flags as the SpecConfig of `algorithm` (None, none or off: no
     speculation). An unset --speculative-policy becomes the drafter's own (drafter_policy), else
     `default_policy` (None: SpecConfig's)."""
     if algorithm is not None and algorithm.lower() in NO_SPECULATION:
-        algorithm = None
+        algorithm = None  # before drafter_policy, which looks the drafter up
     policy = args.speculative_policy or drafter_policy(algorithm) or default_policy
     return SpecConfig.from_prefixed({**vars(args), "speculative_algorithm": algorithm, "speculative_policy": policy})

@@ -94,11 +94,21 @@ class GrammarCompiler:
             matcher = LLMatcher(self.ll_tokenizer, text, log_level=0)
             if matcher.is_error():
                 raise GrammarError(f"the structured output does not compile: {matcher.get_error()}")
+            if not matcher.is_accepting() and not self._starts_any_text(matcher):
+                raise GrammarError("the structured output matches no text (not even the empty one): no answer could "
+                                   "follow it")
             self._compiled[text] = matcher
             while len(self._compiled) > COMPILED_GRAMMARS:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(text)
         return matcher
+
+
+    def _starts_any_text(self, matcher) -> bool:
+        """Whether some token other than EOS may begin an output under a fresh `matcher`."""
+        allowed = GrammarState(matcher.deep_copy(), self.vocab_size, self.eos_ids).allowed()
+        allowed[self.eos_ids] = False
+        return bool(allowed.any())
 
 
 class GrammarState:

@@ -196,7 +196,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
              else f"a free port of {server_config.host} (uvicorn names it below)")
     print(f"tandem serving {engine_config.model} on {where} "
           f"(speculation: {spec.algorithm or 'off'}"
-          f"{f', policy {spec.policy}, up to {spec.max_draft_len} draft tokens' if spec.algorithm else ''})",
+          f"{f', policy {spec.policy}, {spec.describe()}' if spec.algorithm else ''})",
           flush=True)
     print(app.state.memory_summary, flush=True)
     run_uvicorn(app, server_config.host, server_config.port, server_config.drain_timeout_s, log_level)

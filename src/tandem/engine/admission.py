@@ -26,8 +26,8 @@ class Admission:
         self.kv_reserved = 0
         self._reservations: dict[str, int] = {}
         self.prefix_cache = PrefixCache() if config.enable_prefix_caching and batch_invariant else None
-        # Slots one round's draft may write past the last token.
-        self.draft_slots = config.spec.max_draft_len if config.spec.algorithm else 0
+        # Slots one round's draft may write past the last token (a tree writes every node).
+        self.draft_slots = config.spec.max_round_tokens if config.spec.algorithm else 0
 
     def kv_need(self, prompt_len: int, params: SamplingParams) -> int:
         """The most cache slots a request can hold: its prompt, every token it may generate and

@@ -118,7 +118,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     def model_card() -> ModelCard:
         spec = engine.engine.config.spec
         return ModelCard(id=model_name, max_model_len=ctx.max_model_len, speculative_algorithm=spec.algorithm,
-                         speculative_num_draft_tokens=spec.max_draft_len if spec.algorithm else 0)
+                         speculative_num_draft_tokens=spec.max_round_tokens if spec.algorithm else 0)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():

@@ -12,7 +12,16 @@ from __future__ import annotations
 import functools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS, StructuredOutput
 
@@ -30,7 +39,7 @@ UNSUPPORTED = {
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -38,7 +47,7 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
     schema_: dict[str, Any] = Field({}, alias="schema", description="the JSON schema the output must match "
                                                                      "(empty: any JSON object)")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -70,7 +79,7 @@ class StructuredOutputs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -115,38 +124,38 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
-    max_tokens: int | None = Field(None, ge=0, description="default: the rest of the context; 0 only with echo "
+    max_tokens: StrictInt | None = Field(None, ge=0, description="default: the rest of the context; 0 only with echo "
                                                              "(the prompt scored, nothing generated)")
-    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
                                description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=-1, description="extension; 0 or -1 disables")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="extension")
-    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, allow_inf_nan=False, description="extension")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: StrictInt = Field(0, ge=-1, description="extension; 0 or -1 disables")
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="extension")
+    repetition_penalty: StrictFloat = Field(1.0, ge=0.01, le=10.0, allow_inf_nan=False, description="extension")
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
                                     description="subtracted from the logit of every token generated so far")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
                                      description="times each generated token's count so far, subtracted from its logit")
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
     stop_token_ids: list[StrictInt] | None = Field(None, description="extension (vLLM's): generation also stops "
                                                                      "after any of these token ids")
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, description="extension: generate max_tokens even past EOS")
+    ignore_eos: StrictBool = Field(False, description="extension: generate max_tokens even past EOS")
     user: str | None = None
-    speculative_num_draft_tokens: int | None = Field(
+    speculative_num_draft_tokens: StrictInt | None = Field(
         None, ge=0, description="extension: at most this many draft tokens per round for this request "
                                 "(0: plain decoding); the server's --speculative-num-draft-tokens caps it")
-    return_provenance: bool = Field(
+    return_provenance: StrictBool = Field(
         False, description="extension: each choice carries `provenance`, its text cut by who wrote it and the "
                            "acceptance of each speculative round")
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: what the "
                                                                      "output must match")
-    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100], added to that "
-                                                                  "token's logit before sampling")
+    logit_bias: dict[str, StrictFloat] | None = Field(None, description="token id -> bias in [-100, 100], added to "
+                                                                        "that token's logit before sampling")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="extension (vLLM's): the output must match a JSON schema, any JSON object, a regex, one "
                           "of a list of strings or a Lark grammar")
@@ -248,10 +257,10 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
         ..., description="text, texts, token ids, or lists of token ids (each is one prompt)"
     )
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="each output token's log-probability and this many most likely "
                                              "alternatives (the sampled token's is always included)")
-    echo: bool = Field(False, description="each choice's text starts with its prompt (and, with logprobs, its "
+    echo: StrictBool = Field(False, description="each choice's text starts with its prompt (and, with logprobs, its "
                                           "logprobs with the prompt tokens', the first one's null)")
 
     @property
@@ -319,8 +328,18 @@ class ChatMessage(BaseModel):
 class FunctionDefinition(BaseModel):
     name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (default: any object)")
-    strict: bool | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (none: the function "
+                                                                "takes no arguments, as OpenAI defines it)")
+    strict: StrictBool | None = None
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        """What a call's arguments must match: the parameters' schema, or without one an empty
+        object (OpenAI: omitting parameters defines a function with an empty parameter list); an
+        empty schema ({}) allows any object."""
+        if self.parameters is None:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return self.parameters or {"type": "object"}
 
 
 class Tool(BaseModel):
@@ -339,15 +358,15 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    logprobs: bool = Field(False, description="each output token's log-probability")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+    logprobs: StrictBool = Field(False, description="each output token's log-probability")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: this many most likely alternatives per token")
     tools: list[Tool] | None = Field(None, description="functions the model may call (the chat template renders "
                                                          "them where it can)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="required or a named function: the answer is a call, its arguments held to the "
                           "function's schema; auto (the default with tools) and none: the answer is text")
-    parallel_tool_calls: bool | None = Field(None, description="accepted; an answer makes one call")
+    parallel_tool_calls: StrictBool | None = Field(None, description="accepted; an answer makes one call")
 
     @model_validator(mode="after")
     def _check_top_logprobs(self):
@@ -374,12 +393,12 @@ class ChatCompletionRequest(SamplingFields):
         and a small model may otherwise pad them with spaces until max_tokens)."""
         if isinstance(self.tool_choice, NamedToolChoice):
             tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
-            schema = tool.function.parameters or {"type": "object"}
+            schema = tool.function.arguments_schema
         elif self.tool_choice == "required":
             schema = {"anyOf": [
                 {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
                  "properties": {"name": {"const": t.function.name},
-                                "arguments": t.function.parameters or {"type": "object"}}}
+                                "arguments": t.function.arguments_schema}}
                 for t in self.tools]}
         else:
             return None

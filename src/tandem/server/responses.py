@@ -185,7 +185,8 @@ class ModelCard(BaseModel):
     owned_by: str = "tandem"
     max_model_len: int
     speculative_algorithm: str | None = Field(None, description="extension: the drafter (None: plain decoding)")
-    speculative_num_draft_tokens: int = Field(0, description="extension: the most draft tokens per round")
+    speculative_num_draft_tokens: int = Field(0, description="extension: the most draft tokens (tree nodes) a round "
+                                                             "verifies")
 
 
 class ModelList(BaseModel):
