@@ -434,7 +434,7 @@ def test_non_streaming_request_is_aborted_when_its_client_leaves():
         body = {"prompt": [5], "max_tokens": 8000, "temperature": 0, "ignore_eos": True}
         with pytest.raises(httpx.TimeoutException):
             httpx.post(server.url + "/completions", json=body, timeout=0.5)
-        deadline = time.monotonic() + 3  # the server polls for a gone client every 0.25 s
+        deadline = time.monotonic() + 1  # the server hears the disconnect at once, the engine at its next step
         while engine.has_work() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not engine.has_work()
@@ -571,6 +571,15 @@ def test_metrics_count_what_responses_report(spec_server):
     assert metric(after, "tandem:e2e_request_latency_seconds_count") - metric(before, "tandem:e2e_request_latency_seconds_count") == 1
     assert metric(after, "tandem:num_requests_running") == 0
     assert metric(after, "tandem:num_requests_waiting") == 0
+    # tau from the counters is the response's
+    forwards = metric(after, "tandem:spec_decode_num_forwards_total") - metric(before, "tandem:spec_decode_num_forwards_total")
+    assert forwards == spec["num_target_forwards"] and 30 / forwards == pytest.approx(spec["mean_acceptance_length"])
+    # n choices share one prompt: counted once, as usage counts it
+    before = scrape()
+    r = client(server).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=4, temperature=0, n=3)
+    after = scrape()
+    assert r.usage.prompt_tokens == len(PROMPTS[3])
+    assert metric(after, "tandem:prompt_tokens_total") - metric(before, "tandem:prompt_tokens_total") == len(PROMPTS[3])
 
 
 def test_full_queue_returns_503():

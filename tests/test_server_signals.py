@@ -103,3 +103,5 @@ def test_sigterm_drains_then_exits(tmp_path):
     assert "[DONE]" not in long["events"]
     assert DRAIN_S - 0.5 <= elapsed < DRAIN_S + 30
     assert rc == 0  # a drained shutdown is a clean exit
+    log = proc.stdout.read().decode()
+    assert "Exception in ASGI application" not in log, log  # the cut stream's cancellation is no traceback

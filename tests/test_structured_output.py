@@ -386,6 +386,7 @@ def test_a_named_tool_call_holds_its_arguments_to_the_schema(chat_server, stream
 
 
 def test_a_required_tool_call_names_one_of_the_tools(chat_server):
+    import httpx
     import openai
 
     server, _ = chat_server
@@ -397,6 +398,9 @@ def test_a_required_tool_call_names_one_of_the_tools(chat_server):
     schema = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]["parameters"]
     assert set(json.loads(call.function.arguments)) == set(schema["required"])
     assert call.function.arguments == json.dumps(json.loads(call.function.arguments), separators=(",", ":"))  # compact
+    metrics = httpx.get(server.url.removesuffix("/v1") + "/metrics").text  # counted as the answer reports it
+    assert any(line.startswith("tandem:request_success_total") and 'finished_reason="tool_calls"' in line
+               for line in metrics.splitlines())
     # auto (the default with tools) and none answer in text
     for choice in ("auto", "none"):
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1 + 2?"}], max_tokens=8,

@@ -8,6 +8,7 @@ its cost curve, and serve the OpenAI API with uvicorn.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import logging
 import os
@@ -208,7 +209,22 @@ def run_uvicorn(app, host: str, port: int, drain_timeout_s: float, log_level: st
     finish. uvicorn then raises the signal again with the handler it found: a no-op one here, so a
     drained shutdown returns (the process exits 0) instead of dying of the signal."""
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s)
+    logging.getLogger("uvicorn.error").addFilter(_quiet_drain_cancellations)  # after Config set logging up
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # as uvicorn.run: a second Ctrl-C ends the drain
+        pass
+    if not server.started:  # uvicorn logged why (a port taken meanwhile, ...)
+        raise SystemExit(3)
+
+
+def _quiet_drain_cancellations(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's traceback for each stream the drain timeout cancels (CancelledError): its
+    own line "Cancel N running task(s)" already says so, and N tracebacks of the same
+    cancellation bury it."""
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def run_serve(args: argparse.Namespace) -> int:

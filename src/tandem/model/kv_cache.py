@@ -100,7 +100,8 @@ class KVCache:
         self._allocate(max_seqs, max_len, storage or kv_cache_dtype(dtype, device), device)
         self.bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.k.element_size()
         # Position of the token stored in each slot: equal to the slot index for committed
-        # tokens, the tree depth position for uncommitted tree nodes (sliding windows need it).
+        # tokens, the tree depth position for uncommitted tree nodes (the general path's sliding
+        # window masks read it; the fused kernels, whose cache has blocked keys, never do).
         self.slot_positions = torch.zeros(max_seqs, max_len, dtype=torch.long, device=device)
         self.max_seqs = max_seqs
         self.max_len = max_len

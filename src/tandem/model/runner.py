@@ -236,7 +236,11 @@ class ModelRunner:
         the same call (a prompt's logprobs ask for more rows, and need neither)."""
         if not rows:
             return torch.empty(0, self.model.cfg.vocab_size, device=x.device), None
-        selected = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, dtype=torch.long, device=x.device)]
+        first = rows[0]
+        if rows == list(range(first, first + len(rows))):  # a decode step, chains' verification: a view
+            selected = x[first : first + len(rows)]
+        else:
+            selected = x[torch.tensor(rows, dtype=torch.long, device=x.device)]
         # One function for every forward's logits: with the fused decoder, its native norm + head.
         if self.fused is None:
             return self.model.logits(selected), None
@@ -273,7 +277,9 @@ class ModelRunner:
                              GreedyRows.cat([g for parts in greedy for g in parts]))
 
     def _fused_call(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...]) -> ForwardOutput:
-        """One native call over flat rows, one attention per token."""
+        """One native call over flat rows, one attention per token. (The cache's slot positions
+        are the general path's, for its masks; the kernels take a tree node's position from
+        TreeKeys and a chain token's from its slot, so nothing here writes them.)"""
         cache, model = self.cache, self.model
         tokens, seqs, slots, rows, offsets, bounds = [], [], [], [], [0], [0]
         trees = any(i.parents is not None for i in inputs)
@@ -281,15 +287,14 @@ class ModelRunner:
         for inp in inputs:
             n = len(inp.token_ids)
             start = cache.reserve(inp.seq, n)
-            positions = list(range(start, start + n)) if inp.positions is None else list(inp.positions)
-            cache.slot_positions[inp.seq, start : start + n] = torch.tensor(positions)
             if trees:
+                positions = range(start, start + n) if inp.positions is None else inp.positions
                 pos.extend(positions)
                 if inp.parents is None:
                     his.extend(range(start + 1, start + n + 1))
                     key_off.extend([key_off[-1]] * n)
                 else:
-                    self._check_tree_window(inp, positions)
+                    self._check_tree_window(inp, list(positions))
                     for path in tree_paths(inp.parents):
                         his.append(start)
                         keys.extend(start + node for node in path)
@@ -298,16 +303,17 @@ class ModelRunner:
             tokens.extend(inp.token_ids)
             seqs.extend([inp.seq] * n)
             slots.extend(range(start, start + n))
-            idx = inp.logit_indices()
-            rows.extend(base + t for t in idx)
-            offsets.append(offsets[-1] + len(idx))
+            if inp.logits == "last":
+                rows.append(base + n - 1)
+            else:
+                rows.extend(base + t for t in inp.logit_indices())
+            offsets.append(len(rows))
             bounds.append(base + n)
         tree = None
         if trees:
             tree = TreeKeys(torch.tensor(pos), torch.tensor(his), torch.tensor(key_off), torch.tensor(keys, dtype=torch.long))
-        x, layers, stacked = self.fused.forward(
-            torch.tensor(tokens), torch.tensor(seqs), torch.tensor(slots), cache, hidden_layers, tree
-        )
+        columns = torch.tensor([tokens, seqs, slots])  # one tensor, three contiguous rows
+        x, layers, stacked = self.fused.forward(columns[0], columns[1], columns[2], cache, hidden_layers, tree)
         L = model.cfg.num_layers
         if L in layers:
             stacked[layers.index(L)] = model.norm(x)

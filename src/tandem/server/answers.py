@@ -37,6 +37,8 @@ from tandem.server.responses import (
 )
 from tandem.types import SpecStats
 
+# After a request's body, its ASGI receive channel says nothing until the client disconnects
+# (uvicorn); a server that answers receive() with more messages is asked again this much later.
 DISCONNECT_POLL_S = 0.25
 
 
@@ -156,11 +158,9 @@ async def drain(gen: Generation, request: Request,
     choice's logprobs whole."""
 
     async def watch():
-        while True:
+        while (await request.receive())["type"] != "http.disconnect":
             await asyncio.sleep(DISCONNECT_POLL_S)
-            if await request.is_disconnected():
-                gen.abort()
-                return
+        gen.abort()  # at once: the engine drops the request at its next step
 
     watcher = asyncio.create_task(watch())
     texts: dict[int, str] = {i: "" for i in range(len(gen.choices))}

@@ -19,7 +19,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import SamplingParams, ServerConfig, StructuredOutput
 from tandem.llm import chat_token_ids
-from tandem.server.answers import Echo, chat_response, completion_response, drain, stream_chat, stream_completion
+from tandem.server.answers import (
+    Echo,
+    chat_response,
+    completion_response,
+    drain,
+    stream_chat,
+    stream_completion,
+    tool_call_message,
+)
 from tandem.server.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from tandem.server.context import APIError, ServingContext
 from tandem.server.guard import RequestGuard
@@ -265,13 +273,17 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
         raise APIError(400, f"{len(prompts)} prompts x n={body.n} = {len(flat_params)} generations exceed what this "
                             f"server holds at once ({ctx.engine.capacity}); split the request", param="n")
     api_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    prompt_tokens = sum(len(p) for p in prompts)
+    finish_label = None
+    if chat and body.calls_tool:  # the request counter counts what the answer reports
+        def finish_label(delta):
+            return tool_call_message(body, delta.output.text, delta.finish_reason)[1]
     try:
-        gen = ctx.engine.submit(flat_prompts, flat_params, api_id)
+        gen = ctx.engine.submit(flat_prompts, flat_params, api_id, prompt_tokens, finish_label)
     except QueueFullError as err:
         raise APIError(503, str(err), "service_unavailable", code="queue_full") from err
     except EngineStoppedError as err:
         raise APIError(503, str(err), "service_unavailable", code="shutting_down") from err
-    prompt_tokens = sum(len(p) for p in prompts)
     echo = await Echo.of(ctx, body, prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.config import SamplingParams
@@ -68,8 +69,10 @@ class _Choice:
 class Generation:
     """Every choice of one API call; iterate for (index, Delta) until all have finished."""
 
-    def __init__(self, owner: "AsyncEngine", request_ids: list[str]) -> None:
+    def __init__(self, owner: "AsyncEngine", request_ids: list[str],
+                 finish_label: Callable[[Delta], str] | None = None) -> None:
         self._owner = owner
+        self._finish_label = finish_label
         now = time.perf_counter()
         self.choices = [_Choice(rid, now) for rid in request_ids]
         self._queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
@@ -111,7 +114,10 @@ class Generation:
             choice.last_token = now
         if delta.finish_reason is not None:
             choice.done = True
-            self._owner.finish(delta.finish_reason, delta.output, now - choice.arrival)
+            reason = delta.finish_reason
+            if self._finish_label is not None and delta.output is not None:
+                reason = self._finish_label(delta)
+            self._owner.finish(reason, delta.output, now - choice.arrival)
         self._queue.put_nowait((index, delta))
 
     def abort(self) -> None:
@@ -179,8 +185,12 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self._accepting and self._thread is not None and self._thread.is_alive()
 
-    def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str) -> Generation:
-        """Queue one API call's choices (all or none); raises QueueFullError / EngineStoppedError."""
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str, prompt_tokens: int,
+               finish_label: Callable[[Delta], str] | None = None) -> Generation:
+        """Queue one API call's choices (all or none); raises QueueFullError / EngineStoppedError.
+        prompt_tokens: what the call's usage counts (each prompt once, however many choices share
+        it); finish_label: the finish reason the answer reports for a choice's last delta, where
+        it is not the engine's (a tool call's `tool_calls`), for the request counter."""
         if not self.healthy:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         if self.in_flight + len(prompts) > self.capacity:
@@ -190,9 +200,9 @@ class AsyncEngine:
                 "retry later"
             )
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        gen = Generation(self, ids)
+        gen = Generation(self, ids, finish_label)
         self.in_flight += len(prompts)
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        self.metrics.prompt_tokens.inc(prompt_tokens)
         for i, (rid, prompt_ids, sp) in enumerate(zip(ids, prompts, params)):
             self._commands.put(AddRequest(rid, prompt_ids, sp, gen, i))
         return gen

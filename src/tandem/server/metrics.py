@@ -33,11 +33,16 @@ class ServerMetrics:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**m)
 
         self._model = m
-        self.request_success = counter("tandem:request_success", "Finished requests by finish reason", ["finished_reason"])
-        self.prompt_tokens = counter("tandem:prompt_tokens", "Prefilled prompt tokens")
+        self.request_success = counter("tandem:request_success",
+                                       "Finished choices by the finish reason their answer reports (stop, length, "
+                                       "tool_calls, error; abort: the client went away)", ["finished_reason"])
+        self.prompt_tokens = counter("tandem:prompt_tokens",
+                                     "Prompt tokens of the requests, as their usage counts them (each prompt once "
+                                     "however many choices share it; prefix-cache hits included)")
         self.generation_tokens = counter("tandem:generation_tokens", "Generated (committed) tokens")
         self.running = gauge("tandem:num_requests_running", "Requests admitted to the running batch (decoding or having their prompt prefilled)")
-        self.waiting = gauge("tandem:num_requests_waiting", "Requests admitted but waiting for a running slot")
+        self.waiting = gauge("tandem:num_requests_waiting",
+                             "Requests queued for admission (a running slot, KV room, or the next step)")
         self.kv_usage = gauge("tandem:kv_cache_usage_perc",
                               "KV cache slots held / the engine's token budget (max_total_tokens), 0-1")
         self.kv_reserved = gauge("tandem:kv_cache_reserved_perc",
@@ -51,8 +56,11 @@ class ServerMetrics:
             "Time per output token after the first (tokens of one speculative round share its time)",
             LATENCY_BUCKETS,
         )
-        self.e2e_latency = histogram("tandem:e2e_request_latency_seconds", "Arrival to finish", E2E_BUCKETS)
+        self.e2e_latency = histogram("tandem:e2e_request_latency_seconds",
+                                     "Arrival to finish, of the choices that finished (not the aborted)", E2E_BUCKETS)
         self.num_drafts = counter("tandem:spec_decode_num_drafts", "Speculative rounds that drafted tokens")
+        self.num_forwards = counter("tandem:spec_decode_num_forwards",
+                                    "Target forwards per request, drafted or not (generation_tokens / this = tau)")
         self.num_draft_tokens = counter("tandem:spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
         self.num_accepted_tokens = counter("tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.accepted_per_pos = counter(
@@ -65,7 +73,7 @@ class ServerMetrics:
             "tandem:spec_decode_policy_predicted_speedup",
             "The policy's predicted throughput gain over plain decoding for the last round",
         )
-        self._seen = (0, 0, 0, [])
+        self._seen = (0, 0, 0, [], 0)
         self._prefix_seen = (0, 0)
 
     def record_step(self, engine) -> None:
@@ -82,15 +90,17 @@ class ServerMetrics:
             self.prefix_hits.inc(hits - self._prefix_seen[1])
             self._prefix_seen = (queried, hits)
         s = engine.stats
-        drafts, draft_tokens, accepted, per_pos = self._seen
+        drafts, draft_tokens, accepted, per_pos, forwards = self._seen
         self.num_drafts.inc(s.num_drafts - drafts)
+        self.num_forwards.inc(s.num_forwards - forwards)
         self.num_draft_tokens.inc(s.num_draft_tokens - draft_tokens)
         self.num_accepted_tokens.inc(s.num_accepted_tokens - accepted)
         for pos, count in enumerate(s.accepted_per_position):
             before = per_pos[pos] if pos < len(per_pos) else 0
             if count > before or pos >= len(per_pos):  # a new position is exported even at 0
                 self.accepted_per_pos.labels(**self._model, position=str(pos)).inc(count - before)
-        self._seen = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position))
+        self._seen = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position),
+                      s.num_forwards)
         if engine.policy is not None and engine.policy.last.batch:
             last = engine.policy.last
             self.draft_length.set(sum(last.draft_lengths) / last.batch)
