@@ -269,6 +269,28 @@ def test_a_bad_request_is_refused_and_leaves_the_engine_working():
     assert not llm.engine.has_work() and llm.generate(PROMPTS[0], params)[0].token_ids == want
 
 
+@pytest.mark.parametrize("algorithm", [None, "suffix"])
+def test_streams_read_in_turn_and_a_generate_between_reads_lose_no_text(algorithm):
+    """Each stream keeps the text committed for it while another stream or a generate() steps
+    the engine: every stream's pieces join to what generate() gives the same prompt."""
+    import itertools
+
+    llm = make_llm(spec=SpecConfig(algorithm=algorithm, num_draft_tokens=4))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.text for o in llm.generate(PROMPTS[:3], params)]
+    first, second = llm.stream(PROMPTS[0], params), llm.stream(PROMPTS[1], params)
+    got = ["", ""]
+    for a, b in itertools.zip_longest(first, second, fillvalue=""):  # read in turn
+        got[0] += a
+        got[1] += b
+    assert got == want[:2] and got[0] and got[1]
+    third = llm.stream(PROMPTS[2], params)
+    text = next(third)
+    assert llm.generate(PROMPTS[0], params)[0].text == want[0]  # runs while the stream waits unread
+    text += "".join(third)
+    assert text == want[2] and not llm.engine.has_work()
+
+
 @pytest.mark.parametrize("field, value", [("seed", "x"), ("stop", [1, 2]), ("max_tokens", 2.5), ("top_k", 1.5),
                                           ("max_tokens", True), ("stop_token_ids", (-1,))])
 def test_sampling_params_refuse_values_of_the_wrong_kind(field, value):

@@ -56,6 +56,26 @@ def test_llm_refuses_unknown_or_doubled_speculative_settings():
         LLM(speculative_num_draft_token=4)
     with pytest.raises(ValueError, match="not both"):
         LLM(spec=SpecConfig(algorithm="ngram"), speculative_policy="adaptive")
+    with pytest.raises(TypeError, match="not a parameter of LLM"):
+        LLM(enable_prefix_cache=False)
+
+
+def test_llm_takes_the_engine_settings_of_tandem_serve(monkeypatch):
+    """enable_prefix_caching, chunked_prefill_size and max_total_tokens reach the EngineConfig."""
+    import tandem.llm as llm_module
+
+    class Stop(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(llm_module, "load_model", load_model)
+    llm = LLM.__new__(LLM)
+    with pytest.raises(Stop):
+        llm.__init__(enable_prefix_caching=False, chunked_prefill_size=0, max_total_tokens=4096)
+    assert (llm.config.enable_prefix_caching, llm.config.chunked_prefill_size, llm.config.max_total_tokens) == \
+        (False, 0, 4096)
 
 
 @pytest.mark.parametrize("name", ["none", "off", "OFF"])

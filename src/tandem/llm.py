@@ -51,16 +51,20 @@ class LLM:
         max_num_seqs: int = 8,
         threads: int | None = None,
         kv_cache_dtype: str = "auto",
+        enable_prefix_caching: bool = True,
+        chunked_prefill_size: int = 32,
+        max_total_tokens: int | None = None,
         spec: SpecConfig | None = None,
         **speculative,
     ) -> None:
         """spec: the speculative decoding settings whole; or, as vLLM/SGLang spell them, any of
         SpecConfig's fields as speculative_* keywords (speculative_algorithm="ngram",
-        speculative_num_draft_tokens=4, speculative_policy="adaptive", ...)."""
+        speculative_num_draft_tokens=4, speculative_policy="adaptive", ...). The engine's
+        enable_prefix_caching, chunked_prefill_size and max_total_tokens are EngineConfig's."""
         unknown = sorted(set(speculative) - SpecConfig.prefixed_names())
         if unknown:
-            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}; speculative settings are "
-                            f"{sorted(SpecConfig.prefixed_names())}")
+            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}: not a parameter of LLM, nor a "
+                            f"speculative setting ({', '.join(sorted(SpecConfig.prefixed_names()))})")
         if spec is not None and speculative:
             raise ValueError("pass spec=SpecConfig(...) or speculative_* keywords, not both")
         spec = spec or SpecConfig.from_prefixed(speculative)
@@ -74,6 +78,9 @@ class LLM:
             threads=threads,
             spec=spec,
             kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
+            chunked_prefill_size=chunked_prefill_size,
+            max_total_tokens=max_total_tokens,
         )
         threads = configure_threads(threads)
         self.loaded = load_model(model, dtype=dtype, quantization=quantization, device=device,
@@ -84,6 +91,7 @@ class LLM:
         check_head_available(spec, self.loaded.name)  # before the cost profile, which takes seconds
         curve = cost_curve_for(self.loaded, device, threads) if spec.needs_cost_curve else None
         self.engine = Engine(self.loaded, self.config, cost_curve=curve)
+        self._unread: dict[str, list[str]] = {}  # streamed requests' text not yet yielded (_step)
         # Loading leaves millions of long-lived objects; keep the cyclic GC from rescanning them
         # in the middle of decoding (measured 100+ ms pauses).
         gc.collect()
@@ -97,6 +105,7 @@ class LLM:
         self = cls.__new__(cls)
         self.config, self.loaded, self.tokenizer = config, loaded, loaded.tokenizer
         self.engine = Engine(loaded, config, cost_curve=cost_curve)
+        self._unread = {}
         return self
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -126,12 +135,20 @@ class LLM:
         try:
             for p, sp in zip(prompts, params_list):
                 requests.append(self.engine.add_request(self.encode(p, chat), sp))
-            while self.engine.has_work():
-                self.engine.step()
+            while not all(r.finished for r in requests):
+                self._step()
         except BaseException:  # an error or an interrupt: nothing of this call stays in the engine
             self._abort(requests)
             raise
         return [r.output() for r in requests]
+
+    def _step(self) -> None:
+        """One engine step; the text it commits for requests being streamed waits for their
+        generators (several may be open, and a `generate` may run between their reads)."""
+        for update in self.engine.step():
+            unread = self._unread.get(update.request.request_id)
+            if unread is not None and update.new_text:
+                unread.append(update.new_text)
 
     def _abort(self, requests: list[Request]) -> None:
         for req in requests:
@@ -139,13 +156,18 @@ class LLM:
                 self.engine.abort(req.request_id)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[str]:
-        """Yield text pieces as they are committed; the finished request stays in `last_output`."""
+        """Yield text pieces as they are committed; the finished request stays in `last_output`.
+        Several streams may be read in turn, and `generate` called between reads: each stream
+        keeps its own text until it is read."""
         req = self.engine.add_request(self.encode(prompt, chat), params or SamplingParams())
+        unread = self._unread[req.request_id] = []
         try:
-            while not req.finished:
-                for update in self.engine.step():
-                    if update.request is req and update.new_text:
-                        yield update.new_text
+            while unread or not req.finished:
+                if not unread:
+                    self._step()
+                while unread:
+                    yield unread.pop(0)
         finally:  # an error, or the caller stopped iterating: the request leaves the engine
+            del self._unread[req.request_id]
             self._abort([req])
         self.last_output = req.output()
