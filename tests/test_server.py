@@ -572,7 +572,8 @@ def test_metrics_count_what_responses_report(spec_server):
     assert metric(after, "tandem:num_requests_running") == 0
     assert metric(after, "tandem:num_requests_waiting") == 0
     # tau from the counters is the response's
-    forwards = metric(after, "tandem:spec_decode_num_forwards_total") - metric(before, "tandem:spec_decode_num_forwards_total")
+    name = "tandem:spec_decode_num_forwards_total"
+    forwards = metric(after, name) - metric(before, name)
     assert forwards == spec["num_target_forwards"] and 30 / forwards == pytest.approx(spec["mean_acceptance_length"])
     # n choices share one prompt: counted once, as usage counts it
     before = scrape()

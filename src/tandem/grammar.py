@@ -103,7 +103,6 @@ class GrammarCompiler:
         self._compiled.move_to_end(text)
         return matcher
 
-
     def _starts_any_text(self, matcher) -> bool:
         """Whether some token other than EOS may begin an output under a fresh `matcher`."""
         allowed = GrammarState(matcher.deep_copy(), self.vocab_size, self.eos_ids).allowed()

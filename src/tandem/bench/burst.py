@@ -202,7 +202,8 @@ def add_burst_bench_parser(kinds) -> None:
     p.add_argument("--server-flags", nargs="+", default=[""],
                    help="one `tandem serve` flag string per server to launch in turn ('' = the defaults), e.g. "
                         "'' '--max-running-requests 8 --chunked-prefill-size 0'")
-    p.add_argument("--url", action="append", default=[], help="an already running server instead (repeatable; http://host:port, with or without /v1)")
+    p.add_argument("--url", action="append", default=[],
+                   help="an already running server instead (repeatable; http://host:port, with or without /v1)")
     p.add_argument("--burst", type=int, default=32, help="simultaneous new requests (MT-Bench questions)")
     p.add_argument("--prompts-file", default=None, help="the burst's prompts (.jsonl or one per line; default MT-Bench)")
     p.add_argument("--running", type=int, default=4, help="long streams running before the burst")

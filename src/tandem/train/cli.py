@@ -138,7 +138,8 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-heads", type=int, default=None, help="medusa heads")
     g.add_argument("--depth", type=int, default=None, help="mtp modules (draft positions)")
     g.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="eagle3, dflash and dspark reduced draft vocabulary: the most frequent ids of the training answers")
+                   help="eagle3, dflash and dspark reduced draft vocabulary: the most frequent ids of the training "
+                        "answers")
     g.add_argument("--num-layers", type=int, default=None, help="draft_model decoder layers")
     g.add_argument("--head-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other constructor option of the head (VALUE parsed as JSON when it parses)")
