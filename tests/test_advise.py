@@ -169,3 +169,15 @@ def test_advise_rejects_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown drafter 'nope'" in err and "--limit must be >= 1" in err and "prompt file not found" in err
     assert "drop the @ options of eagle3@k=16@topk=4" in err
+
+
+@pytest.mark.parametrize("flag, value, message", [("--k-max", "0", "k-max"), ("--temperature", "-1", "temperature")])
+def test_bad_settings_are_refused_before_the_model_loads(monkeypatch, flag, value, message):
+    import tandem.advise as advise_module
+    from tandem.cli import main
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(advise_module, "load_model", load_model)
+    assert main(["advise", flag, value, "--limit", "1"]) == 2  # a clear error, nothing loaded

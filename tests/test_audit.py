@@ -320,6 +320,21 @@ def test_report_states_binned_tv_bound_and_power():
 def test_greedy_audit_is_token_identity():
     report = run_audit(engine("ngram", k=3), PROMPT, SamplingParams(temperature=0, max_tokens=12))
     assert report.passed and report.checks[0].name == "greedy token identity"
+    assert 0 < report.drafted_rounds <= report.rounds < 12  # the speculative run's forwards, not --rounds
+    assert f"rounds with a draft: {report.drafted_rounds} of {report.rounds}" in report.render()
+
+
+def test_a_greedy_audit_without_drafts_proves_nothing():
+    """Two tokens of a prompt the lookup finds nothing in: no round drafts, so the identity
+    holds trivially and the verdict is inconclusive, not a pass."""
+    report = run_audit(engine("ngram", k=3), [5, 17, 33], SamplingParams(temperature=0, max_tokens=2))
+    assert report.checks[0].passed and report.drafted_rounds == 0
+    assert report.verdict == "inconclusive"
+
+
+def test_a_sampled_audit_needs_two_prompt_tokens():
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        run_audit(engine("ngram", k=3), [5], SamplingParams(temperature=1.0, max_tokens=4), rounds=10)
 
 
 # ---- cutting a draft after proposal (docs/algorithms.md, "Cutting a draft") ----------------------

@@ -13,7 +13,7 @@ import torch
 
 from conftest import build_tiny, tiny_hf_config, tiny_loaded
 from tandem.bench.draft_profile import DraftProfile
-from tandem.bench.spec import OVERALL, Method, SpecCase, parse_methods, run_spec_bench
+from tandem.bench.spec import OVERALL, Method, SpecCase, machine_line, parse_methods, run_spec_bench
 from tandem.bench.spec_hf import Baselines
 from tandem.bench.spec_report import print_identity, print_table
 
@@ -124,7 +124,7 @@ def test_greedy_identity(report):
 def test_sampling_run_is_seeded_and_skips_identity():
     _, loaded = tiny_loaded("llama")
     runs = [run_spec_bench(loaded, CASES[:2], methods=METHODS[:1], num_draft_tokens=3, max_new_tokens=12,
-                           temperature=0.9, seed=seed, progress=False) for seed in (7, 7, 8)]
+                           temperature=0.9, seed=seed, warmup_ids=[40, 41, 42], progress=False) for seed in (7, 7, 8)]
     assert runs[0]["identity"] is None and runs[0]["temperature"] == 0.9
     stats = [r["categories"][OVERALL]["tandem"]["ngram"]["spec"] for r in runs]
     assert stats[0] == stats[1]  # same seed: same draws, same acceptance counters
@@ -209,6 +209,14 @@ def test_merge_rejects_overlapping_or_different_runs(report):
         merge_spec_reports([a, {**b, "categories": {}}])
     with pytest.raises(ValueError, match="no reports"):
         merge_spec_reports([])
+    # The merged figures carry one machine: parts from another CPU or thread count are refused ...
+    for key, value in (("cpu", "Intel Xeon"), ("torch_threads", 7)):
+        with pytest.raises(ValueError, match=f"different machines or settings \\({key}"):
+            merge_spec_reports([a, {**b, "machine": {**b["machine"], key: value}}])
+    # ... and the noisiest sitting's steal is the merge's
+    merged = merge_spec_reports([{**a, "machine": {**a["machine"], "steal": 0.01}},
+                                 {**b, "machine": {**b["machine"], "steal": 0.05}}])
+    assert merged["machine"]["steal"] == 0.05
 
 
 def test_spec_merge_command(report, tmp_path, capsys):
@@ -264,6 +272,11 @@ def test_parse_methods():
         parse_methods(["suffix@lookup=0@depth=3"], "--drafters")
     with pytest.raises(ValueError, match="bad option 'topk=x'"):
         parse_methods(["eagle3@topk=x"])
+    # 0 is no draft length (it used to run the default k under a k=0 label), 2 no switch
+    with pytest.raises(ValueError, match="@k takes a number of at least 1"):
+        parse_methods(["ngram@k=0"])
+    with pytest.raises(ValueError, match="@sched takes 0 or 1"):
+        parse_methods(["dspark@sched=2"])
 
 
 # ---- the command end to end, on tiny model directories with a real tokenizer ------------------------
@@ -363,3 +376,25 @@ def test_assistant_not_applicable_is_explained():
     assert name is None and "no built-in model is smaller" in why
     assert pick_assistant("smollm2-135m-instruct", "none") == (None, "disabled with --hf-assistant none")
     assert pick_assistant("/some/model", "/some/assistant") == ("/some/assistant", "")
+
+
+def test_every_plot_names_its_machine(report, monkeypatch):
+    """The figures of a report carry its machine line at their foot, as its tables do."""
+    pytest.importorskip("matplotlib")
+    from tandem.bench import plots
+
+    stamped = []
+    real = plots.stamp_machine
+
+    def recording(fig, machine):
+        real(fig, machine)
+        stamped.append([t.get_text() for t in fig.texts])
+
+    monkeypatch.setattr(plots, "stamp_machine", recording)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        paths = plots.plot_spec_report(report, d)
+    assert len(stamped) == len(paths) >= 3
+    assert all(texts == [machine_line(report["machine"])] for texts in stamped)
+    assert machine_line(report["machine"]).startswith("CPU: ")

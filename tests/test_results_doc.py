@@ -219,9 +219,9 @@ def test_bench_spec_tables(results):
             "--threads 1 --methods suffix eagle3@k=16@topk=4@steps=5 --json results/bench_spec.json "
             "--plots results/bench_spec") in text
     assert "Test CPU 9000, 2 cores, 1 torch threads" in text and "kernels: tandem avx2" in text
-    overall = "| tandem suffix | 1.59 | 0.25 | 0.39 / 0.76 | 1.8 | 0.1 | 46.0 | 1.13x |"
+    overall = "| tandem suffix | 1.59 | 0.25 | 0.39 / 0.76 | 1.8 | 0.10 | 46.0 | 1.13x |"
     assert overall in text
-    assert "| tandem eagle3@k=16@topk=4@steps=5 | 2.53 | 0.25 | 0.71 / 0.65 | 15.4 | 23.3 | 20.0 | 0.47x |" in text
+    assert "| tandem eagle3@k=16@topk=4@steps=5 | 2.53 | 0.25 | 0.71 / 0.65 | 15.4 | 23.30 | 20.0 | 0.47x |" in text
     assert "| transformers plain | - | - | - | - | - | 7.7 | 1.00x (0.21x tandem plain) |" in text
     assert "| transformers prompt_lookup | - | - | - | - | - | 8.6 | 1.10x |" in text
     # Per subtask: tau / speedup of each method, the transformers ratio and its plain speed.
@@ -274,6 +274,18 @@ def test_bench_base_tables(results):
     assert "| each extra verified row (n = 1..16) | 0.80 ms = 38% of the peak |" in text
     assert "| int8 peak (register loop) | 442 GMAC/s |" in text
     assert "| weights per step: tandem / the GGUF's own | 112 / 97 MB |" in text
+
+
+def test_a_base_run_without_its_kernel_report_names_its_machine(tmp_path):
+    """--skip-kernel-report: the run still records its machine, so the page does not take it for history."""
+    root = tmp_path / "results"
+    (root / "kernels").mkdir(parents=True)
+    data = {**_base_report(), "kernels": None,
+            "machine": {"cpu": "Test CPU 9000", "isa": ["avx2"], "kernels": "tandem avx2", "torch_threads": 2,
+                        "cores": 2, "date": "2026-12-07 06:00 UTC"}}
+    (root / "kernels" / "bench_base_fresh.json").write_text(json.dumps(data))
+    text = _section(render(root, root / "README.md"), "kernels/bench_base_fresh.json")
+    assert "Test CPU 9000" in text and "previous kernels" not in text and "--skip-kernel-report" in text
 
 
 def test_advise_and_serve_tables(results):

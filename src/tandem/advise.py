@@ -21,10 +21,12 @@ from tandem.bench.prompts import load_prompt_file, spread_prompts
 from tandem.bench.spec import (
     DEFINITIONS,
     OVERALL,
+    WARMUP_TEXT,
     Method,
     SpecCase,
     default_methods,
     machine_info,
+    machine_line,
     parse_methods,
     run_spec_bench,
 )
@@ -181,19 +183,20 @@ def setup_warnings(loaded, curve: CostCurve, bandwidth_gb_s: float, weight_bytes
 # ---- measuring ---------------------------------------------------------------------------------------
 
 
-def run_advise(loaded, cases: list[SpecCase], methods: list[Method], *, k_max: int = K_MAX,
+def run_advise(loaded, cases: list[SpecCase], methods: list[Method], warmup_ids: list[int], *, k_max: int = K_MAX,
                max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
                curve_sizes=ADVISE_CURVE_SIZES, progress: bool = True) -> dict:
-    """Measure and predict; returns the advisor's report (what `--json` writes)."""
+    """Measure and predict; returns the advisor's report (what `--json` writes). warmup_ids: the
+    prompt each configuration warms up on (run_spec_bench's: no measured prompt)."""
     if not methods:
         raise ValueError("no drafters to assess; pass --drafters NAME[=PATH] ...")
-    if k_max < 1:
-        raise ValueError(f"--k-max must be >= 1, got {k_max}")
+    _check_settings(k_max, temperature)
     steal = StealMeter()
     bandwidth = measure_bandwidth()
     weight_bytes = model_weight_bytes(loaded.model)
     curve = CostCurve.from_points(forward_cost_curve(loaded, sizes=curve_sizes)).monotone()
-    common = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, progress=progress)
+    common = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, progress=progress,
+                  warmup_ids=warmup_ids)
 
     def measure(ms: list[Method]) -> dict:
         return _measure(loaded, cases, ms, k_max, common)
@@ -275,6 +278,9 @@ def print_advice(report: dict) -> None:
     curve = CostCurve.from_points(report["cost_curve"])
     print(f"\n{report['model']} ({report['quantization']}/{report['dtype']}), {report['num_prompts']} prompts, {mode}, "
           f"up to {report['max_new_tokens']} new tokens, {report['threads']} threads of {report['cores']} cores")
+    cpu = machine_line(report.get("machine", {}))
+    if cpu:
+        print(cpu)
     print(f"base path: a forward takes {curve(1) * 1000:.1f} ms for 1 token, {curve(REFERENCE_K + 1) * 1000:.1f} ms for "
           f"{REFERENCE_K + 1} ({curve(REFERENCE_K + 1) / curve(1):.2f}x); reading the {report['weight_bytes'] / 1e6:.0f} MB of "
           f"weights at {report['bandwidth_gb_s']:.1f} GB/s takes {report['bandwidth_limit_seconds'] * 1000:.1f} ms")
@@ -326,9 +332,17 @@ def add_advise_parser(sub) -> None:
     p.set_defaults(func=cmd_advise)
 
 
+def _check_settings(k_max: int, temperature: float) -> None:
+    if k_max < 1:
+        raise ValueError(f"--k-max must be >= 1, got {k_max}")
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+
+
 def cmd_advise(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    _check_settings(args.k_max, args.temperature)  # before the model loads and the machine is measured
     prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else spread_prompts(args.limit)
     methods = parse_methods(args.drafters, "--drafters") if args.drafters else None
     if methods and (trees := [m.label for m in methods if m.eagle_topk > 1 or m.num_draft_tokens or m.num_steps]):
@@ -344,10 +358,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
     encoder = LLM.from_loaded(loaded, EngineConfig(model=loaded.name, max_num_seqs=1))
     chat = loaded.tokenizer.chat_template is not None
     cases = [SpecCase(p.category, encoder.encode(p.text, chat=chat), p.question_id) for p in prompts]
+    warmup_ids = encoder.encode(WARMUP_TEXT, chat=chat)
     del encoder
     print(f"measuring the cost curve and {', '.join(m.label for m in methods)} at k = {args.k_max} "
           f"on {len(cases)} prompts ...")
-    report = run_advise(loaded, cases, methods, k_max=args.k_max, max_new_tokens=args.max_new_tokens,
+    report = run_advise(loaded, cases, methods, warmup_ids, k_max=args.k_max, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed)
     print_advice(report)
     if args.json:

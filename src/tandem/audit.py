@@ -80,7 +80,7 @@ class AuditReport:
     rounds: int
     alpha: float
     checks: list[AuditCheck] = field(default_factory=list)
-    drafted_rounds: int | None = None  # sampled audits: the rounds whose draft was not empty
+    drafted_rounds: int | None = None  # the rounds whose draft was not empty
 
     @property
     def verdict(self) -> str:
@@ -385,8 +385,12 @@ def run_audit(engine: Engine, prompt_ids: list[int], params: SamplingParams, rou
                          "bias shifts it (tests/test_structured_output.py checks that case)")
     report = AuditReport(engine.config.spec.algorithm or "", rounds, alpha)
     if params.greedy:
-        report.checks.append(_greedy_identity(engine, prompt_ids, params))
+        check, report.rounds, report.drafted_rounds = _greedy_identity(engine, prompt_ids, params)
+        report.checks.append(check)
         return report
+    if len(prompt_ids) < 2:
+        raise ValueError("the sampled audit replays rounds after the prompt's last token, so the prompt needs at "
+                         "least 2 tokens")
     auditor = Auditor(engine, prompt_ids, params, batch)
     ran = auditor.run(rounds, seed)
     report.checks = audit_rounds(auditor, ran, alpha)
@@ -394,14 +398,17 @@ def run_audit(engine: Engine, prompt_ids: list[int], params: SamplingParams, rou
     return report
 
 
-def _greedy_identity(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> AuditCheck:
-    """Greedy: speculative output must equal plain output token for token."""
+def _greedy_identity(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> tuple[AuditCheck, int, int]:
+    """Greedy: speculative output must equal plain output token for token. Returns the check,
+    the speculative run's rounds (its target forwards) and how many of them verified a draft:
+    none means nothing speculative was compared."""
     plain = Engine(engine.loaded, replace(engine.config, spec=SpecConfig()))
-    outs = []
+    reqs = []
     for eng in (engine, plain):
         req = eng.add_request(prompt_ids, params)
         while eng.has_work():
             eng.step()
-        outs.append(req.output_ids)
-    same = outs[0] == outs[1]
-    return AuditCheck("greedy token identity", len(outs[0]), 1.0 if same else 0.0, 0.0, 0.0, same)
+        reqs.append(req)
+    same = reqs[0].output_ids == reqs[1].output_ids
+    check = AuditCheck("greedy token identity", len(reqs[0].output_ids), 1.0 if same else 0.0, 0.0, 0.0, same)
+    return check, reqs[0].stats.num_forwards, reqs[0].stats.num_drafts

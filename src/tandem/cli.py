@@ -119,11 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          f"{AUDIT_INCONCLUSIVE} when nothing speculative could be tested)")
     add_model_args(audit)
     add_spec_args(audit)
-    add_sampling_args(audit)
-    audit.set_defaults(temperature=1.0)
+    add_sampling_args(audit, temperature=1.0)
     audit.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
     audit.add_argument("--chat", action="store_true")
-    audit.add_argument("--rounds", type=int, default=4000, help="independent speculative rounds")
+    audit.add_argument("--rounds", type=int, default=4000,
+                       help="independent speculative rounds of a sampled audit (greedy: one generation of "
+                            "--max-new-tokens, compared with plain decoding)")
     audit.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance level")
     audit.set_defaults(func=cmd_audit)
 

@@ -66,9 +66,9 @@ def add_spec_args(p: argparse.ArgumentParser,
                         "(drafters that report confidences; 0: never)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)

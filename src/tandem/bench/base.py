@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from tandem.bench.kernel_report import kernel_report, measure_bandwidth, model_weight_bytes, print_kernel_report
+from tandem.bench.plots import stamp_machine
 from tandem.bench.prompts import spec_bench_prompts
+from tandem.bench.spec import machine_info, machine_line
 from tandem.bench.steal import StealMeter, steal_notice
 from tandem.config import SamplingParams
 from tandem.llm import LLM
@@ -160,14 +162,18 @@ def _llamacpp_tokens_per_second(gguf_path: str, prompts: list[str], max_new: int
         logits[eos] = -float("inf")
         return logits
 
+    def answer(prompt: str, max_tokens: int) -> dict:
+        if llm.metadata.get("tokenizer.chat_template"):
+            return llm.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                                              temperature=0.0, logits_processor=[no_eos])
+        # a base model: the plain text, as tandem runs it
+        return llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, logits_processor=[no_eos])
+
+    answer(prompts[0], 8)  # warmed up as tandem and transformers are: a first call's setup is no decoding
     tokens, seconds = 0, 0.0
     for p in prompts:
         t = _clock()
-        if llm.metadata.get("tokenizer.chat_template"):
-            out = llm.create_chat_completion([{"role": "user", "content": p}], max_tokens=max_new, temperature=0.0,
-                                             logits_processor=[no_eos])
-        else:  # a base model: the plain text, as tandem runs it
-            out = llm.create_completion(p, max_tokens=max_new, temperature=0.0, logits_processor=[no_eos])
+        out = answer(p, max_new)
         seconds += _clock() - t
         tokens += out["usage"]["completion_tokens"]
     return tokens / seconds
@@ -213,7 +219,8 @@ def bench_base(args) -> dict:
     report = {"model": args.model, "bandwidth_gb_s": bandwidth, "max_new_tokens": args.max_new_tokens,
               "clock": "thread CPU time" if args.cpu_time else "wall", "threads": args.threads,
               "num_prompts": len(prompts), "kernels": kernels.as_dict() if kernels else None,
-              "results": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results]}
+              "results": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results],
+              "machine": machine_info(steal)}
     share = steal.share()
     if share is not None:
         report["steal"] = round(share, 4)
@@ -235,6 +242,9 @@ def save_report(report: dict, path: str) -> None:
 
 
 def print_table(report: dict) -> None:
+    cpu = machine_line(report.get("machine", {}))
+    if cpu:
+        print(cpu)
     results = report["results"]
     ref = next((r["tokens_per_second"] for r in results if r["name"].startswith("transformers")), None)
     width = max([30, *(len(r["name"]) for r in results)])  # the longest configuration name sets the column
@@ -280,7 +290,7 @@ def plot_cost_curves(report: dict, path: str) -> None:
     ax2.set_xlabel("tokens/s (greedy, batch 1)")
     ax2.set_title(f"Plain decoding, {report['model']}")
     ax2.invert_yaxis()
-    fig.tight_layout()
+    stamp_machine(fig, report.get("machine"))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

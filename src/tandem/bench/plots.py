@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tandem.bench.spec import machine_line
 from tandem.scheduler.cost_model import expected_tau, expected_tau_uniform
 
 ALPHAS = (0.2, 0.4, 0.6, 0.7, 0.8, 0.9)
@@ -24,10 +25,21 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str | Path) -> Path:
+def stamp_machine(fig, machine: dict | None) -> None:
+    """The report's machine line (CPU, threads, kernels) along the figure's foot, and the layout
+    tightened above it: every figure names the machine it was measured on."""
+    line = machine_line(machine or {})
+    if line is None:
+        fig.tight_layout()
+        return
+    fig.text(0.01, 0.01, line, fontsize=7, color="dimgray")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+
+
+def _save(fig, path: str | Path, machine: dict | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    stamp_machine(fig, machine)
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
     return path
@@ -65,7 +77,7 @@ def plot_tau_vs_draft_length(report: dict, path: str | Path, alphas=ALPHAS) -> P
     ax.set_xlim(0, k_max + 1.2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, title="dashed: from measured acceptance per position", title_fontsize=7)
-    return _save(fig, path)
+    return _save(fig, path, report.get("machine"))
 
 
 def _grouped_bars(ax, cats: list[str], series: dict[str, list[float]]) -> None:
@@ -96,7 +108,7 @@ def plot_speedup_by_subtask(report: dict, path: str | Path) -> Path:
     ax.set_ylabel("speedup over the same engine's plain decoding")
     mode = "greedy" if report["temperature"] == 0 else f"T={report['temperature']}"
     ax.set_title(f"Speedup per subtask, {report['model']}, {mode}, batch 1")
-    return _save(fig, path)
+    return _save(fig, path, report.get("machine"))
 
 
 def plot_acceptance_per_position(report: dict, path: str | Path) -> Path:
@@ -123,10 +135,11 @@ def plot_acceptance_per_position(report: dict, path: str | Path) -> Path:
     ax.set_title(f"Acceptance per position, {report['model']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return _save(fig, path, report.get("machine"))
 
 
-def plot_cost_curve(curves: dict[str, dict], path: str | Path, title: str = "Forward cost curve") -> Path:
+def plot_cost_curve(curves: dict[str, dict], path: str | Path, title: str = "Forward cost curve",
+                    machine: dict | None = None) -> Path:
     """Seconds of one forward over n new tokens ({label: {n: seconds}}): absolute and relative to n = 1."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -144,7 +157,7 @@ def plot_cost_curve(curves: dict[str, dict], path: str | Path, title: str = "For
     ax2.set_ylabel(f"time relative to {min(int(n) for c in curves.values() for n in c)} token(s)")
     ax1.set_title(title)
     ax2.set_title("verifying k drafts costs curve(k + 1)")
-    return _save(fig, path)
+    return _save(fig, path, machine)
 
 
 def plot_speedup_vs_concurrency(sweep: dict, path: str | Path, *, baseline: str = "off",
@@ -179,7 +192,7 @@ def plot_speedup_vs_concurrency(sweep: dict, path: str | Path, *, baseline: str 
         ax.set_xlabel("concurrent requests")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    return _save(fig, path)
+    return _save(fig, path, sweep.get("machine"))
 
 
 def plot_spec_report(report: dict, directory: str | Path) -> list[Path]:
@@ -193,5 +206,5 @@ def plot_spec_report(report: dict, directory: str | Path) -> list[Path]:
     if report.get("cost_curve"):
         label = f"tandem {report['quantization']}/{report['dtype']}"
         paths.append(plot_cost_curve({label: report["cost_curve"]}, d / "cost_curve.png",
-                                     f"Forward cost curve, {report['model']}"))
+                                     f"Forward cost curve, {report['model']}", report.get("machine")))
     return paths

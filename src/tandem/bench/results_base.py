@@ -109,8 +109,8 @@ def base_section(page: Page, rel: str, data: dict) -> list[str]:
     kernels = data.get("kernels")
     plot_rel, pngs = page.sibling_plots(rel)
     words = _base_words(page, rel, data, plot_rel)
-    machine = None
-    if kernels:
+    machine = data.get("machine")  # recorded since 2026-12-07; the kernel report's before that
+    if machine is None and kernels:
         machine = {"cpu": kernels.get("cpu"), "cpu_model": kernels.get("cpu_model"), "isa": kernels.get("isa"),
                    "threads": kernels.get("threads"), "kernels": kernels.get("kernels"), "steal": data.get("steal")}
     lines = [f"`{KINDS['bench_base']}`: plain decoding of {data.get('model')}, greedy, batch 1, "

@@ -97,6 +97,7 @@ def _merged_owner(page: Page, rel: str) -> str | None:
 def _spec_row(name: str, row: dict) -> list[Any]:
     spec = row.get("spec") or {}
     draft = row.get("draft") or {}
+    # Tokens per non-empty draft; drafting time per round the drafter was asked (empty drafts included).
     drafted = (spec.get("num_draft_tokens") / spec["num_drafts"]) if spec.get("num_drafts") else None
     draft_ms = (1000 * draft["seconds"] / draft["rounds"]) if draft.get("rounds") else None
     speedup = "1.00x" if name == f"tandem {PLAIN}" else times(row.get("speedup"))
@@ -104,7 +105,7 @@ def _spec_row(name: str, row: dict) -> list[Any]:
         speedup = f"1.00x ({times(row['vs_tandem_plain'])} tandem plain)"
     tau = row.get("tau")
     return [name, num(tau), num(row.get("acceptance_rate")) if drafted else "-",
-            seq(row.get("acceptance_per_position")), num(drafted, 1), num(draft_ms, 1),
+            seq(row.get("acceptance_per_position")), num(drafted, 1), num(draft_ms, 2),
             num(row.get("tokens_per_second"), 1), speedup]
 
 
@@ -235,8 +236,8 @@ def spec_section(page: Page, rel: str, data: dict) -> list[str]:
     lines += ["", machine_line(rel, data.get("machine")), "", _settings_line(data, mode), ""]
     overall = data["categories"].get(OVERALL) or {}
     tandem = overall.get("tandem") or {}
-    header = ["configuration", "tau", "acceptance rate", "acceptance per position", "drafted per round",
-              "draft ms per round", "tok/s", "speedup"]
+    header = ["configuration", "tau", "acceptance rate", "acceptance per position", "tokens per draft",
+              "draft ms per round asked", "tok/s", "speedup"]
     rows = [_spec_row(f"tandem {name}", row) for name, row in tandem.items()]
     rows += [_spec_row(f"transformers {name}", row) for name, row in (overall.get("transformers") or {}).items()]
     lines += [f"Overall ({overall.get('num_prompts')} prompts):", ""]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from tandem.bench.plots import stamp_machine
 from tandem.bench.prompts import SPEC_BENCH_SUBTASKS, load_prompt_file, spread_prompts
 from tandem.bench.server_process import (
     ServerError,
@@ -339,7 +340,7 @@ def plot(report: dict, path: str) -> None:
     ax1.set_title("Speculation speedup vs load")
     ax2.set_ylabel("tokens/s per user (decode)")
     ax2.set_title(f"Per-user speed, {report['model']}")
-    fig.tight_layout()
+    stamp_machine(fig, report.get("machine"))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

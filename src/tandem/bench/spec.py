@@ -140,6 +140,10 @@ def parse_methods(items: list[str], flag: str = "--methods") -> list[Method]:
                                  "@lookup=0|1, @corpus=0|1, @sched=0|1 (the confidence scheduler) or @adaptive=0|1 "
                                  "(the adaptive policy)")
             switch = key in ("lookup", "corpus", "sched", "adaptive")
+            if (switch and value not in ("0", "1")) or (not switch and int(value) < 1):
+                raise ValueError(f"bad option {option!r} in {flag} item {item!r}: @{key} takes "
+                                 + ("0 or 1" if switch else "a number of at least 1 (`off` is plain decoding, which "
+                                                            "runs as the baseline anyway)"))
             fields[METHOD_OPTIONS[key]] = bool(int(value)) if switch else int(value)
         try:
             methods.append(Method(name, path or None, **fields))
@@ -251,16 +255,16 @@ def run_spec_bench(
     temperature: float = 0.0,
     seed: int = 0,
     baselines: Baselines | None = None,
-    warmup_ids: list[int] | None = None,
+    warmup_ids: list[int],
     progress: bool = True,
     structured_output: StructuredOutput | None = None,
 ) -> dict:
     """Run every configuration on every case (interleaved per case) and return the report.
 
     `loaded` is a LoadedModel shared by all tandem configurations (weights loaded once). Prompt i
-    uses seed `seed + i` in every configuration. `warmup_ids` (default: the first case's prompt)
-    warms each configuration once with a few tokens before timing; it should not be a measured
-    prompt, since suffix decoding keeps earlier outputs in its global trie. structured_output:
+    uses seed `seed + i` in every configuration. `warmup_ids` (WARMUP_TEXT's tokens, as the
+    commands pass it) warms each configuration once with a few tokens before timing; it must not
+    be a measured prompt, since suffix decoding keeps earlier outputs in its global trie. structured_output:
     what every tandem answer must match (None: anything).
     """
     if not cases:
@@ -272,9 +276,8 @@ def run_spec_bench(
     hf_configs = baselines.configs(temperature) if baselines else []
 
     steal = StealMeter()
-    warm = warmup_ids or cases[0].prompt_ids
     for cfg in configs + hf_configs:
-        cfg.run(warm, WARMUP_TOKENS, seed)
+        cfg.run(warmup_ids, WARMUP_TOKENS, seed)
     gc.collect()
 
     runs, hf_runs = _run_cases(cases, configs, hf_configs, max_new_tokens, seed, progress)
@@ -299,11 +302,11 @@ def run_spec_bench(
 
 
 def _tandem_configs(loaded, cases: list[SpecCase], methods: list[Method], num_draft_tokens: int, max_new_tokens: int,
-                    temperature: float, warmup_ids: list[int] | None,
+                    temperature: float, warmup_ids: list[int],
                     structured_output: StructuredOutput | None) -> list[RunConfig]:
     """Plain decoding, then every method, on the shared weights with a context that fits every case."""
     ks = [num_draft_tokens] + [m.num_draft_tokens for m in methods if m.num_draft_tokens]
-    longest = max(len(c.prompt_ids) for c in cases + ([SpecCase("", warmup_ids)] if warmup_ids else []))
+    longest = max(len(c.prompt_ids) for c in [*cases, SpecCase("", warmup_ids)])
     max_model_len = max(2048, longest + max_new_tokens + max(ks) + 2)
     configs = [_tandem_config(PLAIN, loaded, None, num_draft_tokens, max_model_len, temperature, structured_output)]
     configs += [_tandem_config(m.label, loaded, m, num_draft_tokens, max_model_len, temperature, structured_output)
@@ -426,6 +429,16 @@ def machine_info(steal: StealMeter | None = None) -> dict:
     if share is not None:
         info["steal"] = round(share, 4)
     return info
+
+
+def machine_line(machine: dict) -> str | None:
+    """machine_info as the line printed (and plotted) next to a report's figures; None for a
+    report that recorded no machine."""
+    if "kernels" not in machine:
+        return None
+    model = f" {machine['cpu_model']}" if machine.get("cpu_model") else ""
+    return f"CPU: {machine['cpu']}{model} ({' '.join(machine['isa'])}), {machine['torch_threads']} threads, " \
+           f"{machine['kernels']}"
 
 
 # ---- the command ----------------------------------------------------------------------------------

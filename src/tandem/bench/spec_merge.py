@@ -23,6 +23,8 @@ from tandem.types import SpecStats
 # Report fields every merged run must share: they define what was measured.
 SHARED_FIELDS = ("model", "quantization", "dtype", "temperature", "seed", "num_draft_tokens", "max_new_tokens",
                  "methods", "transformers")
+# What a report's machine must share with the others': the CPU, the kernels and the threads.
+MACHINE_FIELDS = ("cpu", "cpu_model", "kernels", "torch_threads")
 SIDES = ("tandem", "transformers")
 
 
@@ -43,6 +45,11 @@ def merge_spec_reports(reports: list[dict], names: list[str] | None = None) -> d
             if rep.get(key) != first.get(key):
                 raise ValueError(f"cannot merge {name} with {names[0]}: {key} differs "
                                  f"({rep.get(key)!r} vs {first.get(key)!r}); merge runs of one configuration")
+        for key in MACHINE_FIELDS:  # the merged figures are labelled with one machine: they must share it
+            ours, theirs = (r.get("machine", {}).get(key) for r in (rep, first))
+            if ours != theirs:
+                raise ValueError(f"cannot merge {name} with {names[0]}: they ran on different machines or settings "
+                                 f"({key} {ours!r} vs {theirs!r})")
     configs = _configurations(first, names[0])
     categories: dict[str, dict] = {}
     owner: dict[str, str] = {}
@@ -75,7 +82,7 @@ def merge_spec_reports(reports: list[dict], names: list[str] | None = None) -> d
     merged.update(
         num_prompts=len(prompts),
         definitions=first["definitions"],
-        machine=first["machine"],
+        machine=_merged_machine([r["machine"] for r in reports]),
         categories={**categories, OVERALL: overall},
         prompts=prompts,
         identity=identity,
@@ -88,6 +95,16 @@ def merge_spec_reports(reports: list[dict], names: list[str] | None = None) -> d
                       "num_prompts": rep["num_prompts"], "date": rep["machine"]["date"],
                       "wall_seconds": rep.get("wall_seconds")} for name, rep in zip(names, reports)],
     )
+    return merged
+
+
+def _merged_machine(machines: list[dict]) -> dict:
+    """The parts' shared machine, with the highest steal any of them saw (a noisy sitting must
+    not hide behind a quiet one)."""
+    merged = dict(machines[0])
+    steals = [m["steal"] for m in machines if isinstance(m.get("steal"), (int, float))]
+    if steals:
+        merged["steal"] = max(steals)
     return merged
 
 

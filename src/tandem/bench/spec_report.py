@@ -9,7 +9,16 @@ import time
 from tandem.bench.base import save_report
 from tandem.bench.plots import plot_spec_report
 from tandem.bench.prompts import spec_bench_prompts
-from tandem.bench.spec import OVERALL, PLAIN, WARMUP_TEXT, SpecCase, default_methods, parse_methods, run_spec_bench
+from tandem.bench.spec import (
+    OVERALL,
+    PLAIN,
+    WARMUP_TEXT,
+    SpecCase,
+    default_methods,
+    machine_line,
+    parse_methods,
+    run_spec_bench,
+)
 from tandem.bench.spec_hf import Baselines, load_transformers, pick_assistant
 from tandem.bench.steal import steal_notice
 from tandem.config import EngineConfig, StructuredOutput
@@ -103,11 +112,9 @@ def print_table(report: dict) -> None:
     mode = "greedy" if report["temperature"] == 0 else f"temperature {report['temperature']}"
     print(f"\nOverall: {report['model']} ({report['quantization']}/{report['dtype']}), {mode}, "
           f"{report['num_prompts']} prompts, k = {report['num_draft_tokens']}, up to {report['max_new_tokens']} new tokens")
-    machine = report.get("machine", {})
-    if "kernels" in machine:
-        model = f" {machine['cpu_model']}" if machine.get("cpu_model") else ""
-        print(f"CPU: {machine['cpu']}{model} ({' '.join(machine['isa'])}), {machine['torch_threads']} threads, "
-              f"{machine['kernels']}")
+    cpu = machine_line(report.get("machine", {}))
+    if cpu:
+        print(cpu)
     head = (f"{'configuration':34} {'tau':>5} {'acc':>5}  {'acceptance per position':24} {'draft ms/tok':>12} "
             f"{'ms/round':>8} {'tok/s':>7} {'speedup':>8}")
     print(head)
