@@ -172,3 +172,50 @@ def test_train_cli_writes_a_suffix_corpus_of_the_answers(tiny_target, tmp_path, 
     assert not list((tmp_path / "data").glob("answers-*/capture-*"))  # no hidden states for a corpus
     assert main([*argv, "--init-from", str(tmp_path / "corpus")]) == 2
     assert "no head" in capsys.readouterr().err
+
+
+def test_mistakes_are_refused_before_anything_runs(tiny_target, tmp_path, capsys):
+    """Bad counts, directories that are files, and a fresh run into another run's --out: a clear
+    error (exit 2) before the target answers anything."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cases = [
+        (("--num-prompts", "-4"), "--num-prompts must be >= 1"),
+        (("--num-prompts", "0"), "--num-prompts must be >= 1"),
+        (("--held-out", "0"), "--held-out must be >= 1"),
+        (("--out", str(afile)), "is a file, not a directory"),
+        (("--out", str(afile / "sub")), "which is a file"),
+        (("--data-dir", str(afile)), "is a file, not a directory"),
+    ]
+    for extra, message in cases:
+        assert main(_argv(tiny_target, tmp_path, "--steps", "1", *extra)) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "data").exists()  # nothing was answered
+    assert main(_argv(tiny_target, tmp_path, "--steps", "3")) == 0
+    checkpoint = tmp_path / "out" / "checkpoint.pt"
+    before = checkpoint.read_bytes()
+    capsys.readouterr()
+    assert main(_argv(tiny_target, tmp_path, "--steps", "1")) == 2  # forgetting --resume keeps the run
+    assert "holds a run already" in capsys.readouterr().err and checkpoint.read_bytes() == before
+    checkpoint.write_bytes(before[: len(before) // 2])  # a damaged checkpoint is named, not a traceback
+    assert main(_argv(tiny_target, tmp_path, "--steps", "6", "--resume")) == 2
+    assert "checkpoint is damaged" in capsys.readouterr().err
+
+
+def test_a_damaged_head_is_a_clear_error(tiny_target, tmp_path):
+    from tandem.drafters.heads.base import TargetParts
+    from tandem.drafters.heads.io import load_head, read_head_config
+    from tandem.model.loader import load_model
+
+    assert main(_argv(tiny_target, tmp_path, "--steps", "1")) == 0
+    out = tmp_path / "out"
+    target = TargetParts.from_loaded(load_model(str(tiny_target[0])))
+    with pytest.raises(ValueError, match="is not a draft head's head.json"):
+        read_head_config(out / "head.safetensors")  # the weights file given for the directory
+    weights = out / "head.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="head.safetensors cannot be read"):
+        load_head(out, target)
+    (out / "head.json").write_text('{"format": "tandem-draft-head", "meth')
+    with pytest.raises(ValueError, match="head.json is not a draft head's head.json"):
+        read_head_config(out)

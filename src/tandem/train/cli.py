@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -65,6 +67,18 @@ def add_train_parser(sub) -> None:
     _add_capture_args(p)
     _add_method_args(p)
     p.set_defaults(func=cmd_train)
+
+
+def _check_directory(flag: str, path: Path) -> None:
+    """Refuse, before anything runs, a directory flag naming a file, a path below a file, or a
+    place this user cannot write (a run must not fail after an hour of training). Creates nothing."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a directory")
+    existing = next(parent for parent in (path, *path.absolute().parents) if parent.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path} lies below {existing}, which is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path} cannot be written: {existing} is not writable")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -215,7 +229,13 @@ def cmd_train(args) -> int:
     data, held, capture_setting = hidden
 
     # 3. Optimise, evaluate, export.
-    result = train(head, target, data, held, cfg, args.out, resume=args.resume, eval_first=bool(args.init_from))
+    try:
+        result = train(head, target, data, held, cfg, args.out, resume=args.resume, eval_first=bool(args.init_from))
+    except KeyboardInterrupt:
+        kept = (Path(args.out) / CHECKPOINT).exists()
+        print("tandem train: interrupted; " + (f"{Path(args.out) / CHECKPOINT} keeps the last checkpoint: "
+              "--resume continues from it" if kept else "no checkpoint was written yet"), file=sys.stderr)
+        return 130
     calibration = calibrate(head, target, held, cfg.device, cfg.batch_size)
     record = {
         "target": loaded.name,
@@ -275,6 +295,13 @@ def _check_train_args(args, options: dict) -> str:
                          "(a corpus for suffix decoding)")
     if args.max_prompt_context < 0:
         raise ValueError(f"--max-prompt-context must be >= 0 (0 = the whole prompt), got {args.max_prompt_context}")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1 (training prompts), got {args.num_prompts}")
+    if args.held_out < 1:
+        raise ValueError(f"--held-out must be >= 1: the held-out answers measure the head, got {args.held_out}")
+    _check_directory("--out", Path(args.out))
+    if args.data_dir:
+        _check_directory("--data-dir", Path(args.data_dir))
     if args.resume and not (Path(args.out) / CHECKPOINT).exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
     if args.method == "suffix" and (args.init_from or args.resume or args.capture_in_memory):
@@ -300,6 +327,9 @@ def _check_train_args(args, options: dict) -> str:
     if backend == "transformers" and (args.capture_quantization, args.capture_dtype) != ("auto", "auto"):
         raise ValueError("--capture-quantization / --capture-dtype set the tandem backend's capture; "
                          "the transformers backend always runs the dense float32 weights")
+    if not args.resume and not args.data_only and (Path(args.out) / CHECKPOINT).exists():
+        raise ValueError(f"--out {args.out} holds a run already ({CHECKPOINT}): continue it with --resume, or "
+                         "give another --out (or remove that directory) to start afresh")
     return backend
 
 

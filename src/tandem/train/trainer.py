@@ -310,7 +310,11 @@ def _resume(ckpt_path: Path, head: DraftHead, optim, sched, device: torch.device
     """Restore head, optimiser, schedule and RNG states from the checkpoint; (step, seconds, history)."""
     if not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; start without --resume")
-    ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+    try:
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+    except (RuntimeError, EOFError, OSError) as err:  # torch's reader on a truncated or damaged file
+        raise ValueError(f"--resume: {ckpt_path} cannot be read ({str(err).splitlines()[0]}): the checkpoint is "
+                         "damaged; start again without --resume into another --out") from None
     if ckpt["method"] != head.method or ckpt["head_config"] != head.config_dict():
         raise ValueError(
             f"{ckpt_path} holds a {ckpt['method']} head {ckpt['head_config']}, not {head.method} "

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from tandem.drafters.heads.base import DraftHead, TargetParts, head_class, head_methods
@@ -106,9 +107,14 @@ def read_head_config(path: str | Path) -> dict:
             f"no trained draft head at {path}: expected a directory with {CONFIG_FILE} and {WEIGHTS_FILE} "
             "(made by `tandem train` or save_head)"
         )
-    record = json.loads(cfg_path.read_text())
-    if record.get("format") != FORMAT:
-        raise ValueError(f"{cfg_path} is not a tandem draft head (format {record.get('format')!r})")
+    try:
+        record = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{cfg_path} is not a draft head's {CONFIG_FILE} (not JSON: {err}); give the head's "
+                         "directory, as `tandem train --out` wrote it") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        found = record.get("format") if isinstance(record, dict) else None
+        raise ValueError(f"{cfg_path} is not a tandem draft head (format {found!r})")
     if record.get("version", 0) > VERSION:
         raise ValueError(f"{cfg_path} has format version {record['version']}; this tandem reads up to {VERSION}: upgrade tandem")
     if record.get("method") not in head_methods():
@@ -154,7 +160,11 @@ def load_head(path: str | Path, target: TargetParts, device: str | torch.device 
     where = str(path)
     check_target(record, target, where)
     directory = Path(path) if Path(path).is_dir() else Path(path).parent
-    tensors = load_file(str(directory / WEIGHTS_FILE))
+    try:
+        tensors = load_file(str(directory / WEIGHTS_FILE))
+    except (OSError, SafetensorError) as err:
+        raise ValueError(f"{directory / WEIGHTS_FILE} cannot be read ({err}): the file is damaged or incomplete; "
+                         "copy or train the head again") from None
     signature = tensors.pop(SIGNATURE_KEY, None)
     if signature is None:
         raise ValueError(f"{directory / WEIGHTS_FILE} has no target signature: re-save the head with save_head")
