@@ -490,6 +490,16 @@ ERRORS = [
     ("/completions", {"prompt": [1, 2], "stop_token_ids": [500]}, 400, "stop_token_ids"),
     ("/completions", {"prompt": [1, 2], "max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens"),
     ("/completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    # a top_k past int64 broke the engine's step for every request in it
+    ("/completions", {"prompt": [1, 2], "top_k": 2**64, "temperature": 1.0}, 400, "top_k"),
+    # a lone surrogate in a key is named with the surrogate escaped (a 500 before: the body could not be encoded)
+    ("/completions", {"prompt": [1, 2], "\ud800": 1}, 400, "\\ud800"),
+    ("/completions", {"prompt": [1, 2], "logit_bias": {"\ud800": 1}}, 400, "logit_bias.\\ud800"),
+    ("/completions", {"prompt": [1, 2], "logit_bias": {"\u0665": 1}}, 400, "logit_bias"),  # an Arabic-Indic 5
+    ("/completions", {"prompt": [1, 2], "logit_bias": {" 5": 1}}, 400, "logit_bias"),
+    ("/chat/completions", {"messages": [{"role": "user",
+                                          "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content"),
     # the wrong JSON type is refused, not converted (as OpenAI's API does)
     ("/completions", {"prompt": [1, 2], "max_tokens": "7"}, 400, "max_tokens"),
     ("/completions", {"prompt": [1, 2], "max_tokens": True}, 400, "max_tokens"),

@@ -70,6 +70,11 @@ class StructuredOutput:
         return cls(json=schema if isinstance(schema, str) else _json.dumps(schema, sort_keys=True))
 
 
+# The largest top_k taken: any k past the vocabulary keeps every token, so a larger one means
+# nothing, and one past 2**63 did not even fit the int64 tensors the engine samples with.
+MAX_TOP_K = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens and when it stops (vLLM-shaped).
@@ -136,8 +141,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias maps token ids (>= 0) to biases in [-100, 100], got {token}: {value}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it; a k past the vocabulary keeps every "
+                             f"token), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):

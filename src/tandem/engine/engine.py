@@ -203,14 +203,16 @@ class Engine:
             req.hidden.add_stacked(out.hidden_layers, out.stacked_hidden, slice(out.bounds[b], out.bounds[b + 1]))
             if end < len(req.prompt_ids):
                 continue
-            self.prefilling.remove(req)
             try:
                 token = self._sample_one(out.rows(b), req,
                                          req.logit_shift(None if req.grammar is None else req.grammar.allowed()[None], 1),
                                          out.greedy_rows(b))
             except NonFiniteLogitsError as err:
+                self.prefilling.remove(req)
                 updates.append(self._fail(req, err))
                 continue
+            # Only now: a draw that raised leaves the request where abort() finds it (and frees its row).
+            self.prefilling.remove(req)
             updates.append(self._commit(req, [token], RoundCounts(0, 0, 0), rows=out.rows(b)[-1:])[0])
         return updates
 

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS, StructuredOutput
+from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS, MAX_TOP_K, StructuredOutput
 
 MAX_N = 16
 MAX_STOP = 8
@@ -112,7 +112,9 @@ def lone_surrogate_at(value: Any, path: tuple[str, ...] = ()) -> str | None:
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = lone_surrogate_at(key, (*path, str(key))) or lone_surrogate_at(item, (*path, str(key)))
+        # The path names the key as text the error body can carry: a surrogate in it escaped.
+        name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+        found = lone_surrogate_at(key, (*path, name)) or lone_surrogate_at(item, (*path, name))
         if found is not None:
             return found
     return None
@@ -130,7 +132,7 @@ class SamplingFields(BaseModel):
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
                                description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: StrictInt = Field(0, ge=-1, description="extension; 0 or -1 disables")
+    top_k: StrictInt = Field(0, ge=-1, le=MAX_TOP_K, description="extension; 0 or -1 disables")
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="extension")
     repetition_penalty: StrictFloat = Field(1.0, ge=0.01, le=10.0, allow_inf_nan=False, description="extension")
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
@@ -234,10 +236,9 @@ class SamplingFields(BaseModel):
         of the vocabulary (the biases' range is SamplingParams')."""
         out = {}
         for key, bias in (self.logit_bias or {}).items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}") from None
+            if not (key.isascii() and key.isdigit()):  # int() would also take " 5", "1_0" and other scripts' digits
+                raise ValueError(f"logit_bias keys are token ids (decimal digits), got {key!r}")
+            token = int(key)
             if not 0 <= token < vocab_size:
                 raise ValueError(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
             out[token] = bias
@@ -311,6 +312,16 @@ class ChatMessage(BaseModel):
     # An assistant turn's calls and a tool turn's answer, handed to the chat template as sent.
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"a content part of type {kind!r} is not supported: tandem's models read text "
+                                 "parts only ({\"type\": \"text\", \"text\": ...})")
+        return v
 
     @model_validator(mode="after")
     def _check_content(self):
