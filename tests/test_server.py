@@ -529,6 +529,20 @@ def test_errors_use_the_openai_body(spec_server, path, body, status, param):
     assert err["param"] == param and err["message"]
 
 
+def test_too_many_generations_are_refused_before_any_prompt_is_tokenized(spec_server, monkeypatch):
+    """prompts x n past what the server holds is a 400 naming n, decided from the count alone: a
+    list of thousands of prompts is not tokenized first."""
+    server, _ = spec_server
+    from tandem.server import app as app_module
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("a prompt was tokenized")
+
+    monkeypatch.setattr(app_module, "_encode_prompt", no_tokenizing)
+    r = httpx.post(server.url + "/completions", json={"prompt": ["1 2"] * 5000, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "5000 prompts" in r.json()["error"]["message"]
+
+
 def test_malformed_json_and_client_exceptions(spec_server):
     server, _ = spec_server
     r = httpx.post(server.url + "/completions", content=b'{"prompt": [1, 2', headers={"content-type": "application/json"})

@@ -145,6 +145,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request):
+        _check_generations(ctx, len(body.prompt_list()), body.n)  # before tokenizing thousands of prompts
         prompts = [await _encode_prompt(ctx, p) for p in body.prompt_list()]
         return await _serve(ctx, body, prompts, request, chat=False)
 
@@ -155,6 +156,13 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 # ---- request -> engine ------------------------------------------------------------------------
+
+
+def _check_generations(ctx: ServingContext, prompts: int, n: int) -> None:
+    """Refuse a call whose prompts x n generations exceed what the server holds at once."""
+    if prompts * n > ctx.engine.capacity:
+        raise APIError(400, f"{prompts} prompts x n={n} = {prompts * n} generations exceed what this server holds "
+                            f"at once ({ctx.engine.capacity}); split the request", param="n")
 
 
 async def _encode_prompt(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
@@ -269,9 +277,7 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     params = _sampling_params(ctx, body, prompts, await _structured_output(ctx, body))
     flat_prompts = [p for p, ps in zip(prompts, params) for _ in ps]
     flat_params = [sp for ps in params for sp in ps]
-    if len(flat_params) > ctx.engine.capacity:
-        raise APIError(400, f"{len(prompts)} prompts x n={body.n} = {len(flat_params)} generations exceed what this "
-                            f"server holds at once ({ctx.engine.capacity}); split the request", param="n")
+    _check_generations(ctx, len(prompts), body.n)
     api_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     prompt_tokens = sum(len(p) for p in prompts)
     finish_label = None
