@@ -96,7 +96,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     algorithm = args.speculative_algorithm
     if algorithm is None:
-        algorithm = DEFAULT_DRAFTERS.get(builtin_name(args.model) or args.model)
+        algorithm = DEFAULT_DRAFTERS.get(builtin_name(args.model))
     spec = spec_from_args(args, algorithm, SERVE_POLICY)  # none / off: plain decoding
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,

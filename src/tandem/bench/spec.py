@@ -437,8 +437,8 @@ def machine_line(machine: dict) -> str | None:
     if "kernels" not in machine:
         return None
     model = f" {machine['cpu_model']}" if machine.get("cpu_model") else ""
-    return f"CPU: {machine['cpu']}{model} ({' '.join(machine['isa'])}), {machine['torch_threads']} threads, " \
-           f"{machine['kernels']}"
+    return (f"CPU: {machine['cpu']}{model} ({' '.join(machine['isa'])}), {machine['torch_threads']} threads, "
+            f"{machine['kernels']}")
 
 
 # ---- the command ----------------------------------------------------------------------------------

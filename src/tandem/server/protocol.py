@@ -126,19 +126,20 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(None, description="the served model's id (GET /v1/models); optional")
-    max_tokens: StrictInt | None = Field(None, ge=0, description="default: the rest of the context; 0 only with echo "
-                                                             "(the prompt scored, nothing generated)")
+    max_tokens: StrictInt | None = Field(None, ge=0, description="default: the rest of the context; 0 only with "
+                                                                   "echo (the prompt scored, nothing generated)")
     max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False,
-                               description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
+                                     description=f"0 (or below {GREEDY_TEMPERATURE}) = greedy")
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt = Field(0, ge=-1, le=MAX_TOP_K, description="extension; 0 or -1 disables")
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False, description="extension")
     repetition_penalty: StrictFloat = Field(1.0, ge=0.01, le=10.0, allow_inf_nan=False, description="extension")
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
-                                    description="subtracted from the logit of every token generated so far")
+                                          description="subtracted from the logit of every token generated so far")
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
-                                     description="times each generated token's count so far, subtracted from its logit")
+                                           description="times each generated token's count so far, subtracted from "
+                                                       "its logit")
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
@@ -259,10 +260,10 @@ class CompletionRequest(SamplingFields):
         ..., description="text, texts, token ids, or lists of token ids (each is one prompt)"
     )
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                 description="each output token's log-probability and this many most likely "
-                                             "alternatives (the sampled token's is always included)")
-    echo: StrictBool = Field(False, description="each choice's text starts with its prompt (and, with logprobs, its "
-                                          "logprobs with the prompt tokens', the first one's null)")
+                                       description="each output token's log-probability and this many most likely "
+                                                   "alternatives (the sampled token's is always included)")
+    echo: StrictBool = Field(False, description="each choice's text starts with its prompt (and, with logprobs, "
+                                                "its logprobs with the prompt tokens', the first one's null)")
 
     @property
     def logprobs_count(self) -> int | None:
@@ -371,7 +372,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: StrictBool = Field(False, description="each output token's log-probability")
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                     description="with logprobs: this many most likely alternatives per token")
+                                           description="with logprobs: this many most likely alternatives per token")
     tools: list[Tool] | None = Field(None, description="functions the model may call (the chat template renders "
                                                          "them where it can)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
