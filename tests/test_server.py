@@ -661,6 +661,43 @@ def test_nan_logits_end_only_that_request():
         server.stop()
 
 
+def test_a_step_that_fails_for_one_request_ends_only_that_request():
+    """A forward that raises whenever one request's rows are in it (a bug, not bad logits): that
+    request gets a 500 naming the failure, and the streams beside it finish with their own text."""
+    loaded = chat_loaded()
+    server, engine = start(loaded, SpecConfig(algorithm="suffix", num_draft_tokens=3))
+    bad_prompt = [5, 96, 7]
+    forward = engine.runner.forward
+
+    def failing(inputs, *args, **kwargs):
+        bad = {r.seq for r in [*engine.running, *engine.prefilling] if r.prompt_ids == bad_prompt}
+        if any(i.seq in bad for i in inputs):
+            raise RuntimeError("a kernel fault")
+        return forward(inputs, *args, **kwargs)
+
+    engine.runner.forward = failing
+    try:
+        want = plain_greedy(loaded, PROMPTS[1], 24)[0]
+
+        def good():
+            stream = client(server).completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                                       stream=True)
+            return "".join(c.choices[0].text for c in stream if c.choices)
+
+        def bad():
+            return httpx.post(server.url + "/completions", json={"prompt": bad_prompt, "max_tokens": 24}, timeout=30)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(good), pool.submit(bad), pool.submit(good)]
+            results = [f.result() for f in futures]
+        assert results[0] == want and results[2] == want
+        assert results[1].status_code == 500
+        assert "RuntimeError" in results[1].json()["error"]["message"]
+        assert engine.admission.kv_reserved == 0
+    finally:
+        server.stop()
+
+
 def test_adaptive_policy_server_is_lossless_under_load():
     cheap = CostCurve.from_points({1: 0.01, 64: 0.0101, 128: 0.0102})
     spec = SpecConfig(algorithm="suffix", num_draft_tokens=5, policy="adaptive")

@@ -293,6 +293,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    error: str | None = None  # why it ended, where finish_reason is "error"
     spec: SpecStats = field(default_factory=SpecStats)
     seconds: float = 0.0
     # Who wrote each of token_ids (accepted, recovered, bonus or target), when

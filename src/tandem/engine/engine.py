@@ -60,6 +60,7 @@ class Engine:
         self.prefilling: list[Request] = []  # admitted (a cache row each), prompt not yet all in the cache
         self.running: list[Request] = []
         self.stats = SpecStats()
+        self._updates: list[StepUpdate] = []  # what the current step did, as it goes (step)
         self._ids = itertools.count()
         self._last_log = time.perf_counter()
 
@@ -135,18 +136,64 @@ class Engine:
         """One speculative round for the running requests and a piece of the admitted prompts
         (whole prompts when nothing else decodes; see _prefill_chunks). Where a token's numbers do
         not depend on what shares its forward (the fused CPU path), both run in one forward: the
-        weights are read once per step, not twice."""
+        weights are read once per step, not twice.
+
+        A step that raises does not end every request in it: what one request's round or first
+        draw raises ends that request alone (finish_reason "error"), and after an error in what
+        the requests share (the drafter, the forward) the requests the step had not served run
+        again one at a time (_each_alone)."""
         self.prefilling.extend(self.admission.admit(self.waiting))
-        chunks = self._prefill_chunks() if self.prefilling else []
-        if self.runner.batch_invariant:
-            updates = self._decode_round(chunks)
-        else:
-            updates = self._decode_round([]) + (self._prefill(chunks) if chunks else [])
+        members = [*self.running, *self.prefilling]
+        self._updates = []
+        try:
+            self._round(draft=True)
+        except Exception:
+            served = {id(u.request) for u in self._updates}
+            unserved = [r for r in members if id(r) not in served]
+            log.exception("a step over %d requests failed; %d of them run again one at a time, without drafts",
+                          len(members), len(unserved))
+            self._each_alone(unserved)
+        updates, self._updates = self._updates, []
         for u in updates:
             if u.request.finished:
                 self._retire(u.request)
         self._maybe_log()
         return updates
+
+    def _round(self, draft: bool) -> None:
+        """The step's forwards: one round for the running requests (drafting where `draft`) and
+        this step's prompt chunks, in one forward where the runner is batch invariant."""
+        chunks = self._prefill_chunks() if self.prefilling else []
+        if self.runner.batch_invariant:
+            self._decode_round(chunks, draft)
+        else:
+            self._decode_round([], draft)
+            if chunks:
+                self._prefill(chunks)
+
+    def _each_alone(self, members: list[Request]) -> None:
+        """After a step failed in what its requests share: each of `members` (the requests it
+        had not served) in a round of its own, plain (a drafter that failed is not asked again
+        this step), from its committed state (the failed forward's slots are dropped). A request
+        whose round fails again is the one the step failed for: it ends, and the others go on
+        with the tokens they would have had (on the fused path a token's numbers do not depend
+        on what shares its forward; a sampled request draws from its own generator, past the
+        draws the failed step made)."""
+        running, prefilling = self.running, self.prefilling
+        self.running = [r for r in running if r not in members]
+        self.prefilling = [r for r in prefilling if r not in members]
+        for req in members:
+            held = len(req.context) - 1 if req.output_ids else req.prefilled
+            if req.seq is not None and self.cache.lengths[req.seq] > held:
+                self.cache.truncate(req.seq, held)
+            others = self.running, self.prefilling
+            self.running = [req] if req in running else []
+            self.prefilling = [req] if req in prefilling else []
+            try:
+                self._round(draft=False)
+            except Exception as err:
+                self._fail(req, err)
+            self.running, self.prefilling = others[0] + self.running, others[1] + self.prefilling
 
     def _prefill_chunks(self) -> list[tuple[Request, int, int]]:
         """The prompt pieces (request, start, end) this step prefills.
@@ -181,55 +228,56 @@ class Engine:
             end = min(end, req.prefilled + PROMPT_LOGPROBS_ROWS)
         return end
 
-    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
+    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
         """A forward of the chunks' prompt tokens alone (see _prefilled)."""
         needs = self.drafter.needs.hidden_layers if self.drafter else ()
-        return self._prefilled(self.runner.forward(chunk_inputs(chunks), needs), chunks, first=0)
+        self._prefilled(self.runner.forward(chunk_inputs(chunks), needs), chunks, first=0)
 
-    def _prefilled(self, out: ForwardOutput, chunks: list[tuple[Request, int, int]], first: int) -> list[StepUpdate]:
+    def _prefilled(self, out: ForwardOutput, chunks: list[tuple[Request, int, int]], first: int) -> None:
         """After a forward wrote the chunks' prompt tokens to the cache (its inputs first,
         first + 1, ...): a request whose prompt is then complete samples its first token from the
-        last prompt row and starts decoding."""
-        updates = []
+        last prompt row and starts decoding. What raises for one request ends it alone."""
         for i, (req, start, end) in enumerate(chunks):
-            b = first + i
-            if req.params.prompt_logprobs is not None:  # row j predicts prompt token start + j + 1
-                scored = min(end, len(req.prompt_ids) - 1) - start
-                if scored > 0:
-                    req.prompt_logprobs += token_logprobs(out.rows(b)[:scored], req.prompt_ids[start + 1 : start + 1 + scored],
-                                                          req.params.prompt_logprobs)
-            req.prefilled = end
-            req.prefill_started = True
-            req.hidden.add_stacked(out.hidden_layers, out.stacked_hidden, slice(out.bounds[b], out.bounds[b + 1]))
-            if end < len(req.prompt_ids):
-                continue
             try:
-                token = self._sample_one(out.rows(b), req,
-                                         req.logit_shift(None if req.grammar is None else req.grammar.allowed()[None], 1),
-                                         out.greedy_rows(b))
-            except NonFiniteLogitsError as err:
-                self.prefilling.remove(req)
-                updates.append(self._fail(req, err))
-                continue
-            # Only now: a draw that raised leaves the request where abort() finds it (and frees its row).
-            self.prefilling.remove(req)
-            updates.append(self._commit(req, [token], RoundCounts(0, 0, 0), rows=out.rows(b)[-1:])[0])
-        return updates
+                self._prompt_chunk_done(out, first + i, req, start, end)
+            except Exception as err:
+                self._fail(req, err)
 
-    def _decode_round(self, chunks: list[tuple[Request, int, int]]) -> list[StepUpdate]:
-        """One speculative round for every running request, with the prompt chunks in the same
-        forward: propose -> verify forward -> grade -> commit -> learn. Each phase is one method
-        below."""
+    def _prompt_chunk_done(self, out: ForwardOutput, b: int, req: Request, start: int, end: int) -> None:
+        """One chunk of _prefilled: the forward's input b."""
+        if req.params.prompt_logprobs is not None:  # row j predicts prompt token start + j + 1
+            scored = min(end, len(req.prompt_ids) - 1) - start
+            if scored > 0:
+                req.prompt_logprobs += token_logprobs(out.rows(b)[:scored], req.prompt_ids[start + 1 : start + 1 + scored],
+                                                      req.params.prompt_logprobs)
+        req.prefilled = end
+        req.prefill_started = True
+        req.hidden.add_stacked(out.hidden_layers, out.stacked_hidden, slice(out.bounds[b], out.bounds[b + 1]))
+        if end < len(req.prompt_ids):
+            return
+        token = self._sample_one(out.rows(b), req,
+                                 req.logit_shift(None if req.grammar is None else req.grammar.allowed()[None], 1),
+                                 out.greedy_rows(b))
+        self.prefilling.remove(req)  # not before the draw: one that raises leaves it where _retire finds it
+        self._commit(req, [token], RoundCounts(0, 0, 0), rows=out.rows(b)[-1:])
+
+    def _decode_round(self, chunks: list[tuple[Request, int, int]], draft: bool) -> None:
+        """One speculative round for every running request (plain where not `draft`), with the
+        prompt chunks in the same forward: propose -> verify forward -> grade -> commit -> learn.
+        Each phase is one method below; what raises in one request's grading or commit ends
+        that request alone."""
         batch = list(self.running)
         if not batch:
-            return self._prefill(chunks) if chunks else []
+            if chunks:
+                self._prefill(chunks)
+            return
         contexts = [len(r.context) for r in batch]  # before this round: the keys its rows read
-        drafts = self._propose(batch, contexts)
+        drafts = self._propose(batch, contexts) if draft else [Draft.empty() for _ in batch]
         drafts, shifts = self._shift_rows(batch, drafts)
         verify_start = time.perf_counter()
         out, tokens = self._verify_forward(batch, drafts, chunks)
         plain = self._plain_draws(batch, drafts, shifts, out)
-        updates, outcomes = [], []
+        outcomes = []
         for b, (req, draft) in enumerate(zip(batch, drafts)):
             logits = out.rows(b)
             try:
@@ -239,17 +287,16 @@ class Engine:
                     committed, path = [plain[b]], []
                 else:
                     committed, path = self._grade(logits, req, draft, shifts[b], out.greedy_rows(b))
-            except NonFiniteLogitsError as err:
-                updates.append(self._fail(req, err))
+                update, counted = self._commit_round(req, draft, committed, path, out, b, logits)
+            except Exception as err:
+                self._fail(req, err)
                 continue
-            update, counted = self._commit_round(req, draft, committed, path, out, b, logits)
-            updates.append(update)
             outcomes.append(DraftOutcome(req.request_id, counted.drafted, counted.accepted, update.new_token_ids))
         # A forward that also prefilled prompt rows (no LM head, other contexts) is not a sample
         # of the verification cost curve.
         seconds = time.perf_counter() - verify_start
         self._learn(outcomes, None if chunks else (tokens, seconds, [1 + len(d.token_ids) for d in drafts], contexts))
-        return updates + self._prefilled(out, chunks, first=len(batch))
+        self._prefilled(out, chunks, first=len(batch))
 
     def _plain_draws(self, batch: list[Request], drafts: list[Draft], shifts: list[torch.Tensor | None],
                      out: ForwardOutput) -> dict[int, "int | NonFiniteLogitsError"]:
@@ -375,14 +422,23 @@ class Engine:
         start = req.emitted_text_len
         text = req.take_new_text()
         if not req.params.token_origins:
-            return StepUpdate(req, tokens[:kept], text, logprobs=logprobs), counts
-        return StepUpdate(req, tokens[:kept], text, req.origin_pieces(start, start + len(text)), counts,
-                          logprobs), counts
+            update = StepUpdate(req, tokens[:kept], text, logprobs=logprobs)
+        else:
+            update = StepUpdate(req, tokens[:kept], text, req.origin_pieces(start, start + len(text)), counts, logprobs)
+        self._updates.append(update)
+        return update, counts
 
-    def _fail(self, req: Request, err: Exception) -> StepUpdate:
-        log.error("request %s ended: %s", req.request_id, err)
+    def _fail(self, req: Request, err: Exception) -> None:
+        """End `req` for what its step raised: NaN or inf logits (the model's, for this request),
+        or a bug, whose traceback goes to the log."""
+        if isinstance(err, NonFiniteLogitsError):
+            log.error("request %s ended: %s", req.request_id, err)
+            req.error = "the model produced NaN or inf logits for this request; it was ended"
+        else:
+            log.error("request %s ended: its step raised %s", req.request_id, type(err).__name__, exc_info=err)
+            req.error = f"the engine failed while running this request ({type(err).__name__}); see the server log"
         req.finish_reason = "error"
-        return StepUpdate(req, [], "")
+        self._updates.append(StepUpdate(req, [], ""))
 
     def _retire(self, req: Request) -> None:
         if req in self.running:

@@ -128,6 +128,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None
     finish_reason: str | None = None
+    error: str | None = None  # why it ended, where finish_reason is "error"
     text: str = ""
     emitted_text_len: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
@@ -308,6 +309,7 @@ class Request:
             text=self.text,
             token_ids=list(self.output_ids),
             finish_reason=self.finish_reason,
+            error=self.error,
             spec=self.stats,
             seconds=time.perf_counter() - self.arrival,
             token_origins=list(self.token_origins) if self.params.token_origins else None,

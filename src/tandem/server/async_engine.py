@@ -240,7 +240,7 @@ class AsyncEngine:
                 continue
             try:
                 updates = engine.step()
-            except Exception:  # a bug must not take the server down: end what was in flight
+            except Exception:  # a bug outside any request's round must not take the server down
                 log.exception("engine step failed; ending the requests in flight")
                 self._abort_all("error", "the engine failed while running this request; see the server log")
                 continue
@@ -263,7 +263,7 @@ class AsyncEngine:
             if req.params.prompt_logprobs is not None and u.new_token_ids and len(req.output_ids) == len(u.new_token_ids):
                 delta.prompt_logprobs = req.prompt_logprob_entries()
             if reason == "error":
-                delta.error = "the model produced NaN or inf logits for this request; it was ended"
+                delta.error = req.error
             if reason:
                 del self._targets[u.request.request_id]
             out.append((target, delta))
