@@ -7,6 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import select
+import socket
 import threading
 import time
 
@@ -54,11 +56,12 @@ class VocabTokenizer(ToyTokenizer):
         return super().encode(text)
 
 
-def start(**app_kwargs):
+def start(server_kwargs: dict | None = None, max_len: int = MAX_LEN, **app_kwargs):
     _, loaded = tiny_loaded("llama")
     loaded = dataclasses.replace(loaded, tokenizer=VocabTokenizer())
-    engine = Engine(loaded, EngineConfig(max_model_len=MAX_LEN, max_num_seqs=4))
-    return serve_in_background(build_app(AsyncEngine(engine, 16, ServerMetrics(NAME)), NAME, **app_kwargs))
+    engine = Engine(loaded, EngineConfig(max_model_len=max_len, max_num_seqs=4))
+    return serve_in_background(build_app(AsyncEngine(engine, 16, ServerMetrics(NAME)), NAME, **app_kwargs),
+                               **(server_kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +133,93 @@ def test_a_chunked_body_over_the_cap_is_refused():
         assert small.status_code == 200
     finally:
         server.stop()
+
+
+def raw_exchange(server, data: bytes, wait_s: float = 10.0) -> bytes:
+    """Send `data` on a fresh connection, send nothing more, and read until the server closes it."""
+    with socket.create_connection((server.host, server.port), timeout=wait_s) as conn:
+        if data:
+            conn.sendall(data)
+        got = b""
+        while chunk := conn.recv(65536):
+            got += chunk
+    return got
+
+
+def status_and_error(response: bytes) -> tuple[int, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+@pytest.fixture(scope="module")
+def impatient_server():
+    server = start({"read_timeout_s": 0.5, "max_header_bytes": 4096, "drain_timeout_s": 0.5},
+                   request_read_timeout_s=0.5, max_request_header_bytes=4096, max_len=8192)
+    yield server
+    server.stop()
+
+
+def test_headers_that_stop_arriving_get_408_and_an_idle_connection_is_closed(impatient_server):
+    t = time.monotonic()
+    status, error = status_and_error(raw_exchange(impatient_server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"))
+    assert status == 408 and error["code"] == "request_timeout" and "--request-read-timeout" in error["message"]
+    assert raw_exchange(impatient_server, b"") == b""  # nothing sent, nobody to answer: closed
+    assert time.monotonic() - t < 8
+    # A keep-alive connection serves request after request, each well within the timeout.
+    with httpx.Client(timeout=10) as http:
+        for _ in range(3):
+            assert http.post(f"{impatient_server.url}/completions", json={"prompt": "5 6", "max_tokens": 2}).status_code == 200
+            time.sleep(0.3)
+
+
+def test_headers_over_the_cap_get_431(impatient_server):
+    """Whether they arrive at once (the app refuses them) or keep coming in pieces (the
+    connection does, before they end)."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 8192 + b"\r\n\r\n"
+    status, error = status_and_error(raw_exchange(impatient_server, head))
+    assert status == 431 and error["code"] == "request_header_too_large"
+    with socket.create_connection((impatient_server.host, impatient_server.port), timeout=10) as conn:
+        conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        for i in range(100):  # until the answer is there (sending past the close would reset it)
+            if select.select([conn], [], [], 0.01)[0]:
+                break
+            conn.sendall(f"X-Padding-{i}: {'a' * 200}\r\n".encode())
+        got = b""
+        while chunk := conn.recv(65536):
+            got += chunk
+    status, error = status_and_error(got)
+    assert status == 431 and error["code"] == "request_header_too_large"
+
+
+def test_a_body_that_stops_arriving_gets_408(impatient_server):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+    status, error = status_and_error(raw_exchange(impatient_server, head + b'{"prompt": "5'))
+    assert status == 408 and error["code"] == "request_timeout"
+    assert httpx.post(f"{impatient_server.url}/completions", json={"prompt": "5 6", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("what", ["a half-sent body", "an answer still running"])
+def test_a_request_the_shutdown_cuts_before_its_answer_gets_503(what):
+    """uvicorn cancels what still runs when the drain timeout ends; an answer that had not begun
+    (its body still arriving, or a non-streamed completion still generating) gets OpenAI's
+    error body, not uvicorn's plain-text 500."""
+    server = start({"drain_timeout_s": 0.5}, max_len=8192)
+    got = {}
+
+    def send():
+        body = json.dumps({"prompt": "5 6", "max_tokens": 8000, "ignore_eos": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        got["response"] = raw_exchange(server, head + (body[:5] if what == "a half-sent body" else body), 60)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.0)
+    server.stop()
+    sender.join(timeout=60)
+    status, error = status_and_error(got["response"])
+    assert status == 503 and error["code"] == "shutting_down"
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(open_server):

@@ -342,6 +342,9 @@ class ServerConfig:
     Bearer <api_key>` (None: open).
     max_request_bytes: larger request bodies get 413 unread; 8 MiB is 64x the text of a
     32k-token prompt and still far from what could stall the server.
+    request_read_timeout_s: a request whose headers or body stop arriving for this long gets 408
+    and its connection is closed (as nginx's client_header_timeout / client_body_timeout).
+    max_request_header_bytes: larger request headers get 431.
     """
 
     host: str = "127.0.0.1"
@@ -353,6 +356,8 @@ class ServerConfig:
     reprofile: bool = False
     api_key: str | None = field(default=None, repr=False)
     max_request_bytes: int = 8 * 2**20
+    request_read_timeout_s: float = 60.0
+    max_request_header_bytes: int = 64 * 2**10
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -363,5 +368,9 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not (math.isfinite(self.request_read_timeout_s) and self.request_read_timeout_s > 0):
+            raise ValueError(f"request_read_timeout_s must be a finite number > 0, got {self.request_read_timeout_s}")
+        if self.max_request_header_bytes < 1024:
+            raise ValueError(f"max_request_header_bytes must be >= 1024, got {self.max_request_header_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")

@@ -32,6 +32,7 @@ from tandem.model.loader import load_model, return_freed_memory
 from tandem.scheduler.profile import cost_curve_for
 from tandem.server.app import build_app
 from tandem.server.async_engine import AsyncEngine
+from tandem.server.connections import guarded_protocol
 from tandem.server.metrics import ServerMetrics
 
 # The server adapts draft lengths to load by default (a drafter may name its own scheduler:
@@ -79,6 +80,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"/ (default: ${API_KEY_ENV})")
     p.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                    help="larger request bodies get 413 without being read")
+    p.add_argument("--max-request-header-bytes", type=int, default=ServerConfig.max_request_header_bytes,
+                   help="larger request headers get 431")
+    p.add_argument("--request-read-timeout", type=float, default=ServerConfig.request_read_timeout_s,
+                   help="seconds a request's headers or body may stop arriving before it gets 408")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     replicas = p.add_argument_group("replicas on Ray Serve (an optional extra: pip install 'tandem[ray]'; "
                                     "docs/serving.md)")
@@ -110,6 +115,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         served_model_name=args.served_model_name, drain_timeout_s=args.drain_timeout,
         cost_profile=args.cost_profile, reprofile=args.reprofile,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_request_bytes=args.max_request_bytes,
+        request_read_timeout_s=args.request_read_timeout, max_request_header_bytes=args.max_request_header_bytes,
     )
     return engine, server
 
@@ -145,7 +151,9 @@ def build_server_app(engine_config: EngineConfig, server_config: ServerConfig,
     name = server_config.served_model_name or engine_config.model
     async_engine = AsyncEngine(engine, server_config.max_queued_requests, metrics(name))
     app = build_app(async_engine, name, api_key=server_config.api_key,
-                    max_request_bytes=server_config.max_request_bytes)
+                    max_request_bytes=server_config.max_request_bytes,
+                    request_read_timeout_s=server_config.request_read_timeout_s,
+                    max_request_header_bytes=server_config.max_request_header_bytes)
     app.state.async_engine = async_engine
     app.state.memory_summary = memory_summary(loaded, engine)
     return app
@@ -200,16 +208,21 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
           f"{f', policy {spec.policy}, {spec.describe()}' if spec.algorithm else ''})",
           flush=True)
     print(app.state.memory_summary, flush=True)
-    run_uvicorn(app, server_config.host, server_config.port, server_config.drain_timeout_s, log_level)
+    run_uvicorn(app, server_config.host, server_config.port, server_config.drain_timeout_s, log_level,
+                server_config.request_read_timeout_s, server_config.max_request_header_bytes)
     return 0
 
 
-def run_uvicorn(app, host: str, port: int, drain_timeout_s: float, log_level: str = "info") -> None:
+def run_uvicorn(app, host: str, port: int, drain_timeout_s: float, log_level: str = "info",
+                read_timeout_s: float = ServerConfig.request_read_timeout_s,
+                max_header_bytes: int = ServerConfig.max_request_header_bytes) -> None:
     """Serve `app` until SIGTERM/SIGINT; on SIGTERM in-flight requests get `drain_timeout_s` to
     finish. uvicorn then raises the signal again with the handler it found: a no-op one here, so a
-    drained shutdown returns (the process exits 0) instead of dying of the signal."""
+    drained shutdown returns (the process exits 0) instead of dying of the signal. A request's
+    headers get read_timeout_s to arrive and max_header_bytes of room (connections.py)."""
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
+                            http=guarded_protocol(read_timeout_s, max_header_bytes))
     logging.getLogger("uvicorn.error").addFilter(_quiet_drain_cancellations)  # after Config set logging up
     server = uvicorn.Server(config)
     try:
@@ -262,10 +275,13 @@ class BackgroundServer:
         self.thread.join(timeout=60)
 
 
-def serve_in_background(app, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 5.0) -> BackgroundServer:
+def serve_in_background(app, host: str = "127.0.0.1", port: int = 0, drain_timeout_s: float = 5.0,
+                        read_timeout_s: float = ServerConfig.request_read_timeout_s,
+                        max_header_bytes: int = ServerConfig.max_request_header_bytes) -> BackgroundServer:
     """Start `app` on host:port (0 = a free port) and return once it accepts connections."""
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=drain_timeout_s))
+                                           timeout_graceful_shutdown=drain_timeout_s,
+                                           http=guarded_protocol(read_timeout_s, max_header_bytes)))
     thread = threading.Thread(target=server.run, name="tandem-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

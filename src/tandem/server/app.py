@@ -50,10 +50,14 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
-              max_request_bytes: int | None = ServerConfig.max_request_bytes) -> FastAPI:
+              max_request_bytes: int | None = ServerConfig.max_request_bytes,
+              request_read_timeout_s: float = ServerConfig.request_read_timeout_s,
+              max_request_header_bytes: int | None = ServerConfig.max_request_header_bytes) -> FastAPI:
     """api_key: every route but /health and the playground page (/) then needs `Authorization:
     Bearer <api_key>`;
-    max_request_bytes: larger bodies get 413 unread (None: no cap)."""
+    max_request_bytes: larger bodies get 413 unread (None: no cap);
+    request_read_timeout_s: a body that stops arriving for this long gets 408;
+    max_request_header_bytes: larger request headers get 431 (None: no cap)."""
     ctx = ServingContext(engine, model_name)
 
     @asynccontextmanager
@@ -72,7 +76,8 @@ def build_app(engine: AsyncEngine, model_name: str, *, api_key: str | None = Non
                              503: {"model": ErrorResponse}})
     _add_error_handlers(app)
     _add_routes(app, ctx)
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_request_bytes,
+                       read_timeout_s=request_read_timeout_s, max_header_bytes=max_request_header_bytes)
     return app
 
 
