@@ -83,6 +83,26 @@ def test_masks_follow_the_grammar_and_leave_the_matcher_where_it_was():
     assert ids_of(state.allowed()) == [EOS, x, y] and state.valid_prefix([x, a]) == 1
 
 
+def test_a_draft_that_completes_the_output_then_ends_leaves_the_matcher_where_it_was():
+    """llguidance stops a matcher by itself once a JSON object closes, and then takes EOS
+    without counting it: rolling back by the draft's length undid one token too many, so the
+    next round's masks let through what the schema refuses (sampled answers broke their schema
+    with finish_reason "stop")."""
+    enc = CharTokenizer().encode
+    state = compiler().state(StructuredOutput.json_schema({"type": "object", "properties": {"n": {"type": "integer"}},
+                                                           "required": ["n"], "additionalProperties": False}))
+    state.consume(enc('{"n": 1'))
+    before = state.allowed()
+    draft = enc("2}") + [EOS]
+    rows, valid = state.allowed_along(draft)
+    assert valid == 3 and ids_of(rows[2]) == [EOS]
+    assert torch.equal(state.allowed(), before) and char("-") not in ids_of(state.allowed())
+    state.allowed_paths([draft[:1], draft[:2], draft])
+    assert torch.equal(state.allowed(), before)
+    state.consume(draft)
+    assert state.complete and ids_of(state.allowed()) == [EOS]
+
+
 def test_a_complete_output_allows_only_eos():
     state = compiler().state(StructuredOutput(choice=("yes", "no")))
     assert ids_of(state.allowed()) == [char("n"), char("y")]

@@ -141,11 +141,11 @@ class GrammarState:
         that token's target probability is 0. The matcher ends where it began."""
         rows = [self.allowed()]
         valid = self.valid_prefix(tokens)
+        consumed = 0
         for token in tokens[:valid]:
-            self._matcher.consume_token(token)
+            consumed += self._advance(token)
             rows.append(self.allowed())
-        if valid:
-            self._matcher.rollback(valid)
+        self._rewind(consumed)
         rows.extend([rows[-1]] * (len(tokens) - valid))
         return torch.stack(rows), valid
 
@@ -158,17 +158,28 @@ class GrammarState:
             if valid < len(path):  # never read: a refused token on the way (see allowed_along)
                 rows.append(rows[0])
                 continue
-            self._matcher.consume_tokens(list(path))
+            consumed = sum(self._advance(token) for token in path)
             rows.append(self.allowed())
-            self._matcher.rollback(len(path))
+            self._rewind(consumed)
         return torch.stack(rows)
 
     def consume(self, tokens: Sequence[int]) -> None:
         """Advance by committed tokens (EOS at the end of a matched output included)."""
         for token in tokens:
-            if self._matcher.is_stopped() and token in self._eos:
-                continue
-            self._matcher.consume_token(token)
+            self._advance(token)
+
+    def _advance(self, token: int) -> int:
+        """Consume one token; 1 where the matcher counted it. EOS after a complete output (the
+        matcher stopped on its own) is not consumed: llguidance would take it without counting
+        it, so a rollback by the tokens given would undo one token too many."""
+        if self._matcher.is_stopped() and token in self._eos:
+            return 0
+        self._matcher.consume_token(token)
+        return 1
+
+    def _rewind(self, consumed: int) -> None:
+        if consumed:
+            self._matcher.rollback(consumed)
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading tokens the grammar accepts from here."""
