@@ -83,6 +83,18 @@ def test_masks_follow_the_grammar_and_leave_the_matcher_where_it_was():
     assert ids_of(state.allowed()) == [EOS, x, y] and state.valid_prefix([x, a]) == 1
 
 
+def test_a_json_schema_keeps_its_property_order():
+    """Properties come in the schema's order, as OpenAI and vLLM keep it (a schema of reasoning
+    then answer must not have the answer written first; a tool call names its function before
+    its arguments)."""
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "string"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    for spec in (StructuredOutput.json_schema(schema), StructuredOutput.json_schema(json.dumps(schema))):
+        state = compiler().state(spec)
+        state.consume(CharTokenizer().encode('{"'))
+        assert ids_of(state.allowed()) == [char("r")]
+
+
 def test_a_draft_that_completes_the_output_then_ends_leaves_the_matcher_where_it_was():
     """llguidance stops a matcher by itself once a JSON object closes, and then takes EOS
     without counting it: rolling back by the draft's length undid one token too many, so the
@@ -326,6 +338,8 @@ def test_the_server_follows_response_format(server):
     ({"structured_outputs": {"nonsense": "a"}}, None),
     ({"response_format": {"type": "json_schema"}}, None),
     ({"response_format": {"type": "yaml"}}, None),
+    ({"response_format": {"type": "json_object", "schema": {"type": "object"}}}, None),  # unknown keys, as in
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "shema": {}}}}, None),  # structured_outputs
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, None),
 ])
@@ -450,6 +464,12 @@ def test_a_function_without_parameters_is_called_without_arguments(chat_server):
      "tools"),
     ({"tools": [{"type": "retrieval"}]}, None),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),  # a call names its function: names must differ
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}], "tool_choice": "auto"},
+     "tools"),  # a bad schema is refused even where no call is asked for
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "18"}]}, None),  # which call does it answer?
 ])
 def test_bad_tool_requests_are_a_400(chat_server, extra, param):
     import httpx

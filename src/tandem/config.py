@@ -67,7 +67,7 @@ class StructuredOutput:
     @classmethod
     def json_schema(cls, schema: dict | str) -> "StructuredOutput":
         """From a schema given as a dict or as JSON text."""
-        return cls(json=schema if isinstance(schema, str) else _json.dumps(schema, sort_keys=True))
+        return cls(json=schema if isinstance(schema, str) else _json.dumps(schema))
 
 
 # The largest top_k taken: any k past the vocabulary keeps every token, so a larger one means

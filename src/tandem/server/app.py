@@ -211,6 +211,14 @@ async def _structured_output(ctx: ServingContext, body: SamplingFields) -> Struc
             await ctx.tokenize(lambda: ctx.grammars.check(spec))
     except ValueError as err:  # GrammarError is one
         raise APIError(400, str(err), param=param) from err
+    # The tools' schemas are checked when no call is asked for too: a client learns of a bad one at once.
+    for tool in getattr(body, "tools", None) or ():
+        try:
+            schema = StructuredOutput.json_schema(tool.function.arguments_schema)
+            await ctx.tokenize(lambda: ctx.grammars.check(schema))
+        except ValueError as err:
+            raise APIError(400, f"the parameters of tool {tool.function.name!r} are not a schema tandem can follow: "
+                                f"{err}", param="tools") from err
     return spec
 
 

@@ -49,11 +49,13 @@ class JsonSchemaFormat(BaseModel):
                                                                      "(empty: any JSON object)")
     strict: StrictBool | None = None
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
 
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -329,6 +331,8 @@ class ChatMessage(BaseModel):
         # OpenAI lets only an assistant message (one that called tools) omit its content.
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
         return self
 
     def text(self) -> str:
@@ -384,8 +388,11 @@ class ChatCompletionRequest(SamplingFields):
     def _check_top_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "needs logprobs=true")
+        names = [t.function.name for t in self.tools or ()]
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:
+            raise FieldError("tools", f"two tools are named {twice!r}: a call names its function, so names must differ")
         if self.tool_choice not in (None, "none", "auto"):
-            names = [t.function.name for t in self.tools or ()]
             if not names:
                 raise FieldError("tool_choice", "needs tools")
             if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
