@@ -184,18 +184,23 @@ def test_the_server_sizes_max_tokens_to_the_kv_budget_and_reports_its_use():
     from tandem.server.metrics import ServerMetrics
 
     _, loaded = tiny_loaded("llama")
-    engine = Engine(loaded, EngineConfig(max_model_len=128, max_num_seqs=4, max_total_tokens=40))
+    spec = SpecConfig(algorithm="suffix", num_draft_tokens=3)  # each request also reserves a round's 3 draft slots
+    engine = Engine(loaded, EngineConfig(max_model_len=128, max_num_seqs=4, max_total_tokens=40, spec=spec))
     server = serve_in_background(build_app(AsyncEngine(engine, 8, ServerMetrics("tiny")), "tiny"))
     try:
-        r = httpx.post(f"{server.url}/completions", json={"prompt": "5 6 7", "max_tokens": 50})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert "--max-total-tokens" in r.json()["error"]["message"] and r.json()["error"]["param"] == "max_tokens"
-        # A prompt that alone outgrows the budget: the prompt is what must change, not max_tokens.
-        r = httpx.post(f"{server.url}/completions", json={"prompt": " ".join(["5"] * 45), "max_tokens": 1})
+        r = httpx.post(f"{server.url}/completions", json={"prompt": "5 6 7", "max_tokens": 35})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert "--max-total-tokens" in error["message"] and "3 slots" in error["message"]
+        assert error["message"].endswith("ask for at most 34")  # 40 - 3 prompt tokens - 3 draft slots
+        r = httpx.post(f"{server.url}/completions", json={"prompt": "5 6 7", "max_tokens": 34, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 34  # the hint is taken
+        # A prompt that leaves no room (37 + a token + 3 draft slots > 40): the prompt must change, not max_tokens.
+        r = httpx.post(f"{server.url}/completions", json={"prompt": " ".join(["5"] * 37), "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-        assert "alone exceed" in r.json()["error"]["message"]
+        assert "need 41 KV-cache slots" in r.json()["error"]["message"]
         r = httpx.post(f"{server.url}/completions", json={"prompt": "5 6 7", "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 37
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 34
         metrics = httpx.get(f"{server.url.removesuffix('/v1')}/metrics").text
         for name in ("tandem:kv_cache_usage_perc", "tandem:kv_cache_reserved_perc", "tandem:kv_cache_bytes"):
             assert name in metrics

@@ -607,6 +607,33 @@ def test_metrics_count_what_responses_report(spec_server):
     assert metric(after, "tandem:prompt_tokens_total") - metric(before, "tandem:prompt_tokens_total") == len(PROMPTS[3])
 
 
+def test_a_call_cancelled_before_its_first_token_counts_no_prompt_tokens():
+    """tandem:prompt_tokens counts what the responses' usage counts: a call whose client left
+    while it waited for a running slot has no usage."""
+    server, engine = start(chat_loaded(), max_num_seqs=1, max_len=8192)
+
+    def prompt_tokens() -> float:
+        text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+        return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines()
+                          if line.startswith("tandem:prompt_tokens_total")))
+
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/completions", json=body) as running:
+            lines = running.iter_lines()  # kept: a dropped iterator closes the connection
+            next(lines)  # its first token came: it holds the one running slot
+            counted = prompt_tokens()
+            assert counted == len(PROMPTS[0])
+            with pytest.raises(httpx.ReadTimeout):  # waits for the slot, then its client leaves
+                httpx.post(server.url + "/completions", json={"prompt": PROMPTS[1], "max_tokens": 4}, timeout=0.5)
+            deadline = time.monotonic() + 10
+            while engine.waiting and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not engine.waiting and prompt_tokens() == counted
+    finally:
+        server.stop()
+
+
 def test_full_queue_returns_503():
     # Held requests long enough that neither can finish while the full queue is probed (120
     # tokens of the tiny model once ended within the probes on a fast CPU); leaving aborts them.

@@ -240,26 +240,30 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
     out = []
     engine = ctx.engine.engine
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    admission = engine.admission
+    budget = admission.max_total_tokens
+    draft = f" and one round's draft ({admission.draft_slots} slots)" if admission.draft_slots else ""
     for p in prompts:
-        room = ctx.max_model_len - len(p)
-        if room < 1:
+        context_room = ctx.max_model_len - len(p)
+        if context_room < 1:
             raise APIError(400, f"the prompt has {len(p)} tokens; this model's context is {ctx.max_model_len} "
                                 "tokens: shorten the prompt", param=param, code="context_length_exceeded")
-        if body.max_tokens is not None and body.max_tokens > room:
-            raise APIError(400, f"max_tokens {body.max_tokens} + the prompt's {len(p)} tokens exceed this model's "
-                                f"context of {ctx.max_model_len} tokens: ask for at most {room}", param="max_tokens",
-                           code="context_length_exceeded")
-        # Admission reserves prompt + max_tokens of KV cache (Admission.max_total_tokens for all requests).
-        kv_room = engine.admission.max_tokens_room(len(p))
+        # Admission reserves prompt + max_tokens + one round's draft of KV cache (max_total_tokens for all requests).
+        kv_room = admission.max_tokens_room(len(p))
         if kv_room < 1:
-            raise APIError(400, f"the prompt's {len(p)} tokens alone exceed the KV cache this server holds for all "
-                                f"requests ({engine.admission.max_total_tokens} tokens, --max-total-tokens): shorten "
-                                "the prompt", param=param, code="context_length_exceeded")
-        if body.max_tokens is not None and body.max_tokens > kv_room:
-            raise APIError(400, f"the prompt's {len(p)} tokens and max_tokens {body.max_tokens} exceed the KV cache "
-                                f"this server holds for all requests ({engine.admission.max_total_tokens} tokens, "
-                                f"--max-total-tokens): ask for at most {kv_room} tokens", param="max_tokens",
+            raise APIError(400, f"the prompt's {len(p)} tokens, one generated token{draft} need "
+                                f"{len(p) + 1 + admission.draft_slots} KV-cache slots; this server holds {budget} for "
+                                "all requests (--max-total-tokens): shorten the prompt", param=param,
                            code="context_length_exceeded")
+        if body.max_tokens is not None and body.max_tokens > kv_room:
+            if body.max_tokens > context_room:
+                why = (f"max_tokens {body.max_tokens} + the prompt's {len(p)} tokens exceed this model's context of "
+                       f"{ctx.max_model_len} tokens")
+            else:
+                why = (f"the prompt's {len(p)} tokens, max_tokens {body.max_tokens}{draft} need "
+                       f"{len(p) + body.max_tokens + admission.draft_slots} KV-cache slots; this server holds "
+                       f"{budget} for all requests (--max-total-tokens)")
+            raise APIError(400, f"{why}: ask for at most {kv_room}", param="max_tokens", code="context_length_exceeded")
         room = kv_room
         choices = []
         for i in range(body.n):

@@ -70,9 +70,10 @@ class Generation:
     """Every choice of one API call; iterate for (index, Delta) until all have finished."""
 
     def __init__(self, owner: "AsyncEngine", request_ids: list[str],
-                 finish_label: Callable[[Delta], str] | None = None) -> None:
+                 finish_label: Callable[[Delta], str] | None = None, prompt_tokens: int = 0) -> None:
         self._owner = owner
         self._finish_label = finish_label
+        self._uncounted_prompt_tokens = prompt_tokens  # counted with the call's first token, as usage counts them
         now = time.perf_counter()
         self.choices = [_Choice(rid, now) for rid in request_ids]
         self._queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
@@ -100,6 +101,9 @@ class Generation:
         metrics = self._owner.metrics
         if delta.token_ids:
             metrics.generation_tokens.inc(len(delta.token_ids))
+            if self._uncounted_prompt_tokens:
+                metrics.prompt_tokens.inc(self._uncounted_prompt_tokens)
+                self._uncounted_prompt_tokens = 0
             if choice.first_token is None:
                 choice.first_token = now
                 metrics.time_to_first_token.observe(now - choice.arrival)
@@ -190,19 +194,19 @@ class AsyncEngine:
         """Queue one API call's choices (all or none); raises QueueFullError / EngineStoppedError.
         prompt_tokens: what the call's usage counts (each prompt once, however many choices share
         it); finish_label: the finish reason the answer reports for a choice's last delta, where
-        it is not the engine's (a tool call's `tool_calls`), for the request counter."""
+        it is not the engine's (a tool call's `tool_calls`), for the request counter. The prompt
+        tokens count once a choice has a token: a call cancelled or refused before has no usage."""
         if not self.healthy:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         if self.in_flight + len(prompts) > self.capacity:
             raise QueueFullError(
-                f"the server is at capacity ({self.in_flight} requests in flight; it runs "
+                f"the server is at capacity ({self.in_flight} requests in flight, each choice of a call one; it runs "
                 f"{self.engine.config.max_num_seqs} and queues up to {self.capacity - self.engine.config.max_num_seqs}); "
                 "retry later"
             )
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        gen = Generation(self, ids, finish_label)
+        gen = Generation(self, ids, finish_label, prompt_tokens)
         self.in_flight += len(prompts)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
         for i, (rid, prompt_ids, sp) in enumerate(zip(ids, prompts, params)):
             self._commands.put(AddRequest(rid, prompt_ids, sp, gen, i))
         return gen
