@@ -86,8 +86,12 @@ def test_a_drafter_that_fails_costs_its_rounds_drafts_and_nothing_else(loaded, m
         return propose(batch)
 
     monkeypatch.setattr(drafter, "propose", failing)
+    alone_rounds = []
+    round_of = engine._round_of
+    monkeypatch.setattr(engine, "_round_of", lambda members: alone_rounds.append(len(members)) or round_of(members))
     finish(engine)
     assert failed, "the drafter was never asked while the request it fails for ran"
+    assert len(alone_rounds) == len(failed) and set(alone_rounds) == {3}  # each time one plain round for all
     assert engine.stats.num_draft_tokens > 0  # once that request ended, the others drafted again
     for req in reqs:
         assert req.finish_reason == "length" and req.error is None
@@ -106,10 +110,10 @@ def test_a_grading_that_fails_for_one_request_ends_it_and_the_round_goes_on(load
         return grade(logits, draft, params, context, *args)
 
     monkeypatch.setattr(grading, "grade_round", failing)
-    each_alone = []
-    monkeypatch.setattr(engine, "_each_alone", lambda members: each_alone.append(members))
+    recovered = []
+    monkeypatch.setattr(engine, "_recover", lambda members: recovered.append(members))
     finish(engine)
-    assert not each_alone  # the round itself went on: nothing ran again
+    assert not recovered  # the round itself went on: nothing ran again
     assert bad.finish_reason == "error" and "IndexError" in bad.error and len(bad.output_ids) == 3
     for req in reqs[:2]:
         assert req.finish_reason == "length" and req.output_ids == alone(loaded, req.prompt_ids)

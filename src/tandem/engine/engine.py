@@ -141,18 +141,17 @@ class Engine:
         A step that raises does not end every request in it: what one request's round or first
         draw raises ends that request alone (finish_reason "error"), and after an error in what
         the requests share (the drafter, the forward) the requests the step had not served run
-        again one at a time (_each_alone)."""
+        again (_recover)."""
         self.prefilling.extend(self.admission.admit(self.waiting))
         members = [*self.running, *self.prefilling]
         self._updates = []
         try:
             self._round(draft=True)
         except Exception:
-            served = {id(u.request) for u in self._updates}
-            unserved = [r for r in members if id(r) not in served]
-            log.exception("a step over %d requests failed; %d of them run again one at a time, without drafts",
+            unserved = self._unserved(members)
+            log.exception("a step over %d requests failed; the %d it had not served run again without drafts",
                           len(members), len(unserved))
-            self._each_alone(unserved)
+            self._recover(unserved)
         updates, self._updates = self._updates, []
         for u in updates:
             if u.request.finished:
@@ -171,29 +170,45 @@ class Engine:
             if chunks:
                 self._prefill(chunks)
 
-    def _each_alone(self, members: list[Request]) -> None:
-        """After a step failed in what its requests share: each of `members` (the requests it
-        had not served) in a round of its own, plain (a drafter that failed is not asked again
-        this step), from its committed state (the failed forward's slots are dropped). A request
-        whose round fails again is the one the step failed for: it ends, and the others go on
-        with the tokens they would have had (on the fused path a token's numbers do not depend
-        on what shares its forward; a sampled request draws from its own generator, past the
-        draws the failed step made)."""
-        running, prefilling = self.running, self.prefilling
-        self.running = [r for r in running if r not in members]
-        self.prefilling = [r for r in prefilling if r not in members]
+    def _unserved(self, members: list[Request]) -> list[Request]:
+        served = {id(u.request) for u in self._updates}
+        return [r for r in members if id(r) not in served]
+
+    def _recover(self, members: list[Request]) -> None:
+        """After a step failed in what its requests share: `members` (the requests it had not
+        served) run again from their committed state, first together in a plain round (a drafter
+        that failed is not asked again this step: a drafter's bug costs a round's drafts), and if
+        that fails too, each in a plain round of its own, so only a request whose round fails
+        alone ends. The others go on with the tokens they would have had (on the fused path a
+        token's numbers do not depend on what shares its forward; a sampled request draws from
+        its own generator, past the draws the failed step made)."""
+        try:
+            self._round_of(members)
+            return
+        except Exception:
+            members = self._unserved(members)
+            log.exception("a plain round over %d requests failed too; each runs alone", len(members))
+        for req in members:
+            try:
+                self._round_of([req])
+            except Exception as err:
+                self._fail(req, err)
+
+    def _round_of(self, members: list[Request]) -> None:
+        """A plain round of `members` alone, from their committed state (slots a failed forward
+        wrote past it are dropped); the other requests sit it out."""
         for req in members:
             held = len(req.context) - 1 if req.output_ids else req.prefilled
             if req.seq is not None and self.cache.lengths[req.seq] > held:
                 self.cache.truncate(req.seq, held)
-            others = self.running, self.prefilling
-            self.running = [req] if req in running else []
-            self.prefilling = [req] if req in prefilling else []
-            try:
-                self._round(draft=False)
-            except Exception as err:
-                self._fail(req, err)
-            self.running, self.prefilling = others[0] + self.running, others[1] + self.prefilling
+        running, prefilling = self.running, self.prefilling
+        self.running = [r for r in running if r in members]
+        self.prefilling = [r for r in prefilling if r in members]
+        try:
+            self._round(draft=False)
+        finally:  # a prompt that completed moved from prefilling to running within the round
+            self.running = [r for r in running if r not in members] + self.running
+            self.prefilling = [r for r in prefilling if r not in members] + self.prefilling
 
     def _prefill_chunks(self) -> list[tuple[Request, int, int]]:
         """The prompt pieces (request, start, end) this step prefills.
