@@ -69,7 +69,7 @@ def test_a_forward_that_fails_for_one_request_ends_that_request_alone(loaded, wh
         assert req.finish_reason == "length" and req.output_ids == alone(loaded, req.prompt_ids)
 
 
-def test_a_drafter_that_fails_costs_its_rounds_drafts_and_nothing_else(loaded, monkeypatch):
+def test_a_drafter_that_fails_costs_its_rounds_drafts_and_nothing_else(loaded, monkeypatch, caplog):
     engine = make_engine(loaded)
     short = SamplingParams(temperature=0.0, max_tokens=4)
     reqs = [engine.add_request(PROMPTS[0], GREEDY), engine.add_request(PROMPTS[1], short),
@@ -92,6 +92,8 @@ def test_a_drafter_that_fails_costs_its_rounds_drafts_and_nothing_else(loaded, m
     finish(engine)
     assert failed, "the drafter was never asked while the request it fails for ran"
     assert len(alone_rounds) == len(failed) and set(alone_rounds) == {3}  # each time one plain round for all
+    reports = [r for r in caplog.records if "a step over" in r.getMessage()]
+    assert len(failed) > 1 and len(reports) == 1 and reports[0].exc_info  # once, with its traceback
     assert engine.stats.num_draft_tokens > 0  # once that request ended, the others drafted again
     for req in reqs:
         assert req.finish_reason == "length" and req.error is None

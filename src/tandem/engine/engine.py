@@ -61,6 +61,7 @@ class Engine:
         self.running: list[Request] = []
         self.stats = SpecStats()
         self._updates: list[StepUpdate] = []  # what the current step did, as it goes (step)
+        self._failures, self._last_failure_log = 0, -LOG_EVERY_S  # failed steps not yet logged (_log_failure)
         self._ids = itertools.count()
         self._last_log = time.perf_counter()
 
@@ -149,8 +150,8 @@ class Engine:
             self._round(draft=True)
         except Exception:
             unserved = self._unserved(members)
-            log.exception("a step over %d requests failed; the %d it had not served run again without drafts",
-                          len(members), len(unserved))
+            self._log_failure("a step over %d requests failed; the %d it had not served run again without drafts",
+                              len(members), len(unserved))
             self._recover(unserved)
         updates, self._updates = self._updates, []
         for u in updates:
@@ -187,12 +188,22 @@ class Engine:
             return
         except Exception:
             members = self._unserved(members)
-            log.exception("a plain round over %d requests failed too; each runs alone", len(members))
+            self._log_failure("a plain round over %d requests failed too; each runs alone", len(members))
         for req in members:
             try:
                 self._round_of([req])
             except Exception as err:
                 self._fail(req, err)
+
+    def _log_failure(self, message: str, *args) -> None:
+        """Log a failed step with its traceback, at most once per LOG_EVERY_S (a drafter that
+        fails for one request fails every step while that request lives), counting the rest."""
+        now = time.perf_counter()
+        self._failures += 1
+        if now - self._last_failure_log >= LOG_EVERY_S:
+            more = f" ({self._failures - 1} more failed steps since the last report)" if self._failures > 1 else ""
+            log.error(message + more, *args, exc_info=True)
+            self._last_failure_log, self._failures = now, 0
 
     def _round_of(self, members: list[Request]) -> None:
         """A plain round of `members` alone, from their committed state (slots a failed forward
