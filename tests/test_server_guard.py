@@ -191,6 +191,57 @@ def test_headers_over_the_cap_get_431(impatient_server):
     assert status == 431 and error["code"] == "request_header_too_large"
 
 
+def test_headers_piling_up_behind_an_answer_close_the_connection(impatient_server):
+    """A client that streams the next request's headers behind a long answer on the same
+    connection: they count against the cap as well (they were read without end), and as no
+    status line can cut into the answer being written, the connection closes."""
+    body = json.dumps({"prompt": "5 6", "max_tokens": 8000, "ignore_eos": True, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((impatient_server.host, impatient_server.port), timeout=20) as conn:
+        conn.sendall(head + body + b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        got, sent = b"", 0
+        try:
+            while sent < 2**20:
+                conn.sendall(f"X-Pad-{sent}: {'a' * 500}\r\n".encode())
+                sent += 512
+                if select.select([conn], [], [], 0)[0]:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    got += chunk
+        except OSError:  # closed while we sent
+            pass
+        try:
+            while chunk := conn.recv(65536):
+                got += chunk
+        except OSError:
+            pass
+    assert sent < 2**20 and b"data: [DONE]" not in got  # closed long before the answer ended
+
+
+def test_a_refused_key_reads_the_body_it_came_with_and_closes(keyed_server):
+    body = b'{"prompt": "5", "pad": "' + b"a" * 300_000 + b'"}'
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    response = raw_exchange(keyed_server, head + body)
+    status, error = status_and_error(response)
+    assert status == 401 and error["code"] == "invalid_api_key" and response.count(b"HTTP/1.1") == 1
+
+
+def test_malformed_http_gets_an_openai_error_body(open_server):
+    status, error = status_and_error(raw_exchange(open_server, b"NOT HTTP AT ALL\r\n\r\n"))
+    assert status == 400 and error["code"] == "invalid_http_request"
+
+
+def test_an_oversized_body_announced_with_expect_100_continue_is_refused_at_once(open_server):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: " + str(9 * 2**20).encode() + b"\r\n\r\n")
+    t = time.monotonic()
+    status, error = status_and_error(raw_exchange(open_server, head))
+    assert status == 413 and error["code"] == "request_too_large" and time.monotonic() - t < 5
+
+
 def test_a_body_that_stops_arriving_gets_408(impatient_server):
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n")

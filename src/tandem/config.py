@@ -342,8 +342,9 @@ class ServerConfig:
     Bearer <api_key>` (None: open).
     max_request_bytes: larger request bodies get 413 unread; 8 MiB is 64x the text of a
     32k-token prompt and still far from what could stall the server.
-    request_read_timeout_s: a request whose headers or body stop arriving for this long gets 408
-    and its connection is closed (as nginx's client_header_timeout / client_body_timeout).
+    request_read_timeout_s: a request whose headers take longer, or whose body stops arriving for
+    this long, gets 408 and its connection is closed (as nginx's client_header_timeout /
+    client_body_timeout).
     max_request_header_bytes: larger request headers get 431.
     """
 

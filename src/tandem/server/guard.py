@@ -28,6 +28,7 @@ from tandem.server.responses import error_payload
 
 OPEN_PATHS = frozenset({"/health", "/"})  # the playground page holds no data; its requests send the key
 DRAIN_FACTOR = 16
+UNAUTHORIZED_DRAIN_BYTES = 8 * 2**20  # what a refused key's body may take to be read and dropped, without a cap
 READ_TIMEOUT_S = 60.0  # as nginx's client_header_timeout and client_body_timeout
 
 
@@ -76,9 +77,14 @@ class RequestGuard:
             return
         headers = dict(scope.get("headers") or ())
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+            # The body is read and dropped first (within the cap), as for a 413, and the
+            # connection closes: its rest must not be taken for the next request.
+            if not _expects_continue(headers):
+                await _drain(receive, self.read_timeout_s, self.max_body_bytes or UNAUTHORIZED_DRAIN_BYTES)
             await _respond(send, 401, error_body(
                 "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                "invalid_request_error", code="invalid_api_key"), [(b"www-authenticate", b"Bearer")])
+                "invalid_request_error", code="invalid_api_key"),
+                [(b"www-authenticate", b"Bearer"), (b"connection", b"close")])
             return
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -89,7 +95,8 @@ class RequestGuard:
                                                      "invalid_request_error"))
                 return
             if self.max_body_bytes is not None and size > self.max_body_bytes:
-                if size <= DRAIN_FACTOR * self.max_body_bytes:
+                # A client that waits for "100 Continue" has sent nothing yet: refused at once.
+                if size <= DRAIN_FACTOR * self.max_body_bytes and not _expects_continue(headers):
                     await _drain(receive, self.read_timeout_s)
                 await self._too_large(send, size)
                 return
@@ -137,6 +144,12 @@ class RequestGuard:
             f"the request body is {what}; this server accepts at most {self.max_body_bytes} bytes "
             "(tandem serve --max-request-bytes)", "invalid_request_error", code="request_too_large"),
             [(b"connection", b"close")])
+
+
+def _expects_continue(headers: dict[bytes, bytes]) -> bool:
+    """Whether the client waits for "100 Continue" before it sends its body (uvicorn sends that
+    on the app's first receive)."""
+    return headers.get(b"expect", b"").lower() == b"100-continue"
 
 
 def header_bytes(scope) -> int:
