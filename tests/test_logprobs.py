@@ -166,6 +166,20 @@ def test_text_offsets_count_characters_of_the_choice_text():
     assert offsets.chars == len(" hié hié")
 
 
+def test_an_echoed_prompts_offsets_count_the_special_tokens_it_spells():
+    """An echoed prompt is the text the client sent, where a special token may stand as text
+    ("<|im_start|>user..."): that token spans it there. One the tokenizer added (a BOS) is not in
+    the text and adds nothing."""
+    from tandem.types import TokenLogprob
+
+    strings = TokenStrings(ByteLevelTokenizer())
+    entries = [None] + [TokenLogprob(i, -1.0, ()) for i in (0, 1, 2, 3)]
+    spelled = completion_logprobs(entries, strings, TextOffsets(text="<|end|> hié<|end|>"), unscored=3)
+    assert spelled.text_offset == [0, 7, 10, 10, 11]
+    added = completion_logprobs(entries[:4], strings, TextOffsets(text=" hi\u00e9"), unscored=3)
+    assert added.text_offset == [0, 0, 3, 3]
+
+
 @pytest.mark.slow
 def test_text_offsets_on_the_real_tokenizer():
     """On the default model's byte-level tokenizer, text whose characters span several tokens:

@@ -143,7 +143,8 @@ async def choice_logprobs(ctx: ServingContext, echo: Echo | None, choice: int,
     goes on moving), else from there."""
     if echo is None:
         return await ctx.completion_logprobs(entries, offsets or TextOffsets())
-    scored = await ctx.completion_logprobs(prompt_entries, TextOffsets(), unscored=echo.prompt(choice)[0])
+    scored = await ctx.completion_logprobs(prompt_entries, TextOffsets(text=echo.text(choice)),
+                                           unscored=echo.prompt(choice)[0])
     if echo.scoring_only:
         return scored
     generated = await ctx.completion_logprobs(entries, offsets or TextOffsets(len(echo.text(choice))))

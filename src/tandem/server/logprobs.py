@@ -80,16 +80,24 @@ def _piece_bytes(piece: str) -> bytes | None:
 class TextOffsets:
     """Where each next token's text starts in a choice's text, in characters: a token adds its
     bytes (TokenStrings.in_text), and a character counts once its last byte has come, so every
-    token of a character split over several tokens starts where the character does."""
+    token of a character split over several tokens starts where the character does. text: the
+    text the tokens spell where special tokens may stand in it as text (an echoed prompt, as the
+    client wrote it): a special token found there at its offset spans it; elsewhere (a BOS the
+    tokenizer added, a choice's generated text) it adds nothing."""
 
-    def __init__(self, start: int = 0) -> None:
+    def __init__(self, start: int = 0, text: str | None = None) -> None:
         self.chars = start
+        self.text = text
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def next(self, piece: bytes) -> int:
-        """The offset of a token adding `piece`; moves past it."""
+    def next(self, piece: bytes, spelled: str = "") -> int:
+        """The offset of a token adding `piece` (spelled `spelled` with special tokens kept);
+        moves past it."""
         offset = self.chars
-        self.chars += len(self._decoder.decode(piece))
+        if not piece and spelled and self.text is not None and self.text.startswith(spelled, offset):
+            self.chars += len(spelled)
+        else:
+            self.chars += len(self._decoder.decode(piece))
         return offset
 
 
@@ -103,7 +111,7 @@ def completion_logprobs(entries: list[TokenLogprob | None], strings: TokenString
         token_id = unscored if e is None else e.token_id
         text = strings(token_id)[0]
         tokens.append(text)
-        starts.append(offsets.next(strings.in_text(token_id)))
+        starts.append(offsets.next(strings.in_text(token_id), text))
         if e is None:
             tops.append(None)
             values.append(None)
