@@ -49,6 +49,8 @@ def finish(engine: Engine) -> None:
 
 @pytest.mark.parametrize("when", ["prompt", "decoding"])
 def test_a_forward_that_fails_for_one_request_ends_that_request_alone(loaded, when, monkeypatch):
+    """The others keep the tokens they would have had alone, and the failed request's row is not
+    kept for prefix reuse."""
     engine = make_engine(loaded)
     reqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
     bad = reqs[1]
@@ -67,6 +69,10 @@ def test_a_forward_that_fails_for_one_request_ends_that_request_alone(loaded, wh
     assert len(bad.output_ids) == (0 if when == "prompt" else 3)
     for req in (reqs[0], reqs[2]):
         assert req.finish_reason == "length" and req.output_ids == alone(loaded, req.prompt_ids)
+    kept = engine.admission.prefix_cache  # (the fused path's: rows are reused where numbers do not depend on a batch)
+    if kept is not None:
+        assert len(kept) == 2  # the two that finished; the failed one's row was freed
+        assert kept.longest_prefix(bad.prompt_ids)[1] == 0
 
 
 def test_a_drafter_that_fails_costs_its_rounds_drafts_and_nothing_else(loaded, monkeypatch, caplog):

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import re
+import threading
 import time
 
 import httpx
@@ -720,6 +721,42 @@ def test_a_step_that_fails_for_one_request_ends_only_that_request():
         assert results[0] == want and results[2] == want
         assert results[1].status_code == 500
         assert "RuntimeError" in results[1].json()["error"]["message"]
+        events = sse_events(server.url + "/completions", {"prompt": bad_prompt, "max_tokens": 5, "stream": True})
+        assert "RuntimeError" in json.loads(events[0])["error"]["message"] and events[-1] == "[DONE]"
+        assert engine.admission.kv_reserved == 0
+    finally:
+        server.stop()
+
+
+def test_a_failure_outside_every_requests_round_ends_those_in_flight_and_the_server_goes_on():
+    """What no request's round can be blamed for (here: admission) ends the requests in flight
+    with an error; the next request is served."""
+    loaded = chat_loaded()
+    server, engine = start(loaded, max_len=8192)
+    admit = engine.admission.admit
+    failing = threading.Event()
+
+    def broken(waiting):
+        if failing.is_set() and waiting:
+            failing.clear()
+            raise RuntimeError("an admission bug")
+        return admit(waiting)
+
+    engine.admission.admit = broken
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/completions", json=body) as running:
+            lines = running.iter_lines()
+            next(lines)
+            failing.set()  # the next request's admission raises
+            r = httpx.post(server.url + "/completions", json={"prompt": PROMPTS[1], "max_tokens": 4}, timeout=30)
+            assert r.status_code == 500 and "engine failed" in r.json()["error"]["message"]
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            assert any("engine failed" in e.get("error", {}).get("message", "") for e in rest)
+            assert rest[-1]["choices"][0]["finish_reason"] == "error"
+        want = plain_greedy(loaded, PROMPTS[1], 4)[0]
+        assert client(server).completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=4,
+                                                 temperature=0).choices[0].text == want
         assert engine.admission.kv_reserved == 0
     finally:
         server.stop()

@@ -81,9 +81,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                    help="larger request bodies get 413 without being read")
     p.add_argument("--max-request-header-bytes", type=int, default=ServerConfig.max_request_header_bytes,
-                   help="larger request headers get 431")
+                   help="larger request headers get 431 (default 64 KiB)")
     p.add_argument("--request-read-timeout", type=float, default=ServerConfig.request_read_timeout_s,
-                   help="seconds a request's headers may take, or its body stop arriving, before it gets 408")
+                   help="seconds a request's headers may take, or its body stop arriving, before it gets 408 "
+                        "(default 60)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     replicas = p.add_argument_group("replicas on Ray Serve (an optional extra: pip install 'tandem[ray]'; "
                                     "docs/serving.md)")

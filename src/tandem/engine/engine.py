@@ -196,12 +196,13 @@ class Engine:
                 self._fail(req, err)
 
     def _log_failure(self, message: str, *args) -> None:
-        """Log a failed step with its traceback, at most once per LOG_EVERY_S (a drafter that
-        fails for one request fails every step while that request lives), counting the rest."""
+        """Log a failure of a step or its plain retry with its traceback, at most once per
+        LOG_EVERY_S (a drafter that fails for one request fails every step while that request
+        lives), counting the rest."""
         now = time.perf_counter()
         self._failures += 1
         if now - self._last_failure_log >= LOG_EVERY_S:
-            more = f" ({self._failures - 1} more failed steps since the last report)" if self._failures > 1 else ""
+            more = f" ({self._failures - 1} more failures since the last report)" if self._failures > 1 else ""
             log.error(message + more, *args, exc_info=True)
             self._last_failure_log, self._failures = now, 0
 
