@@ -168,7 +168,8 @@ def test_headers_that_stop_arriving_get_408_and_an_idle_connection_is_closed(imp
     # A keep-alive connection serves request after request, each well within the timeout.
     with httpx.Client(timeout=10) as http:
         for _ in range(3):
-            assert http.post(f"{impatient_server.url}/completions", json={"prompt": "5 6", "max_tokens": 2}).status_code == 200
+            r = http.post(f"{impatient_server.url}/completions", json={"prompt": "5 6", "max_tokens": 2})
+            assert r.status_code == 200
             time.sleep(0.3)
 
 

@@ -338,8 +338,9 @@ def test_the_server_follows_response_format(server):
     ({"structured_outputs": {"nonsense": "a"}}, None),
     ({"response_format": {"type": "json_schema"}}, None),
     ({"response_format": {"type": "yaml"}}, None),
-    ({"response_format": {"type": "json_object", "schema": {"type": "object"}}}, None),  # unknown keys, as in
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "shema": {}}}}, None),  # structured_outputs
+    # unknown keys, as in structured_outputs
+    ({"response_format": {"type": "json_object", "schema": {"type": "object"}}}, None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "shema": {}}}}, None),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, None),
 ])

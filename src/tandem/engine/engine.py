@@ -61,7 +61,7 @@ class Engine:
         self.running: list[Request] = []
         self.stats = SpecStats()
         self._updates: list[StepUpdate] = []  # what the current step did, as it goes (step)
-        self._failures, self._last_failure_log = 0, -LOG_EVERY_S  # failed steps not yet logged (_log_failure)
+        self._failures, self._last_failure_log = 0, -LOG_EVERY_S  # failures not yet logged (_log_failure)
         self._ids = itertools.count()
         self._last_log = time.perf_counter()
 

@@ -72,7 +72,8 @@ class RequestGuard:
     async def _guarded(self, scope, receive, send) -> None:
         if self.max_header_bytes is not None and header_bytes(scope) > self.max_header_bytes:
             await _respond(send, 431, error_body(
-                f"the request's headers are over {self.max_header_bytes} bytes (tandem serve --max-request-header-bytes)",
+                f"the request's headers are over {self.max_header_bytes} bytes "
+                "(tandem serve --max-request-header-bytes)",
                 "invalid_request_error", code="request_header_too_large"), [(b"connection", b"close")])
             return
         headers = dict(scope.get("headers") or ())
