@@ -104,3 +104,31 @@ def test_a_tree_reports_and_reserves_its_nodes_not_its_depth():
 
     assert Admission(Cache(), EngineConfig(spec=tree), True).draft_slots == 10
     assert Admission(Cache(), EngineConfig(spec=chain), True).draft_slots == 3
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"algorithm": ""}, "speculative_algorithm is empty"),
+    ({"algorithm": "ngram", "draft_model_path": "/nonexistent"}, "takes no draft model path"),
+    ({"algorithm": "ngram", "num_draft_tokens": "4"}, "speculative_num_draft_tokens must be an integer"),
+    ({"algorithm": "eagle3", "num_steps": 2.0}, "speculative_num_steps must be an integer"),
+    ({"algorithm": "suffix", "lookup": "no"}, "speculative_lookup must be true or false"),
+    ({"algorithm": "dspark", "min_survival": "0.5"}, "speculative_min_survival must be a number"),
+    ({"algorithm": 7}, "speculative_algorithm must be a name"),
+])
+def test_settings_of_the_wrong_kind_or_that_a_drafter_cannot_use_are_named(settings, message):
+    with pytest.raises(ValueError, match=message):
+        SpecConfig(**settings)
+
+
+def test_a_json_schema_flag_that_is_neither_a_file_nor_json_says_so(tmp_path):
+    from tandem.flags import structured_output_from_args
+
+    args = argparse.Namespace(json_object=False, json_schema=str(tmp_path / "missing.json"), regex=None, choice=None,
+                              grammar=None)
+    with pytest.raises(ValueError, match="no such file"):
+        structured_output_from_args(args)
+    (tmp_path / "schema.json").write_text('{"type": "object"}')
+    args.json_schema = str(tmp_path / "schema.json")
+    assert structured_output_from_args(args).json == '{"type": "object"}'
+    args.json_schema = ' {"type": "integer"}'
+    assert structured_output_from_args(args).json == ' {"type": "integer"}'

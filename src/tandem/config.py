@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json as _json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from numbers import Integral
@@ -227,8 +228,14 @@ class SpecConfig:
     min_survival: float = 0.0
 
     def __post_init__(self) -> None:
+        self._check_kinds()
         if isinstance(self.algorithm, str) and self.algorithm.lower() in NO_SPECULATION:
             object.__setattr__(self, "algorithm", None)  # "none" and "off" are plain decoding, as None is
+        if self.algorithm == "":
+            raise ValueError("speculative_algorithm is empty: name a drafter, or none (off) for plain decoding")
+        if self.algorithm == "ngram" and self.draft_model_path is not None:
+            raise ValueError("ngram drafts from the context alone and takes no draft model path "
+                             f"(got {self.draft_model_path!r})")
         if self.num_draft_tokens < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if not (1 <= self.ngram_min <= self.ngram_max):
@@ -241,6 +248,25 @@ class SpecConfig:
             raise ValueError(f"speculative_min_survival must lie in [0, 1), got {self.min_survival}")
         if self.policy not in SPEC_POLICIES:
             raise ValueError(f"speculative policy must be one of {SPEC_POLICIES}, got {self.policy!r}")
+
+    def _check_kinds(self) -> None:
+        """Each setting of the kind it must be, named as LLM's keyword when not (a string "4"
+        for a count once failed in a comparison deep inside)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("num_draft_tokens", "ngram_max", "ngram_min", "num_steps", "eagle_topk"):
+                ok = (value is None and f.name == "num_steps") or (isinstance(value, int) and not isinstance(value, bool))
+                kind = "an integer"
+            elif f.name == "min_survival":
+                ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+            elif f.name in ("lookup", "corpus"):
+                ok, kind = isinstance(value, bool), "true or false"
+            elif f.name == "draft_model_path":
+                ok, kind = value is None or isinstance(value, (str, os.PathLike)), "a path"
+            else:  # algorithm, policy
+                ok, kind = value is None or isinstance(value, str), "a name"
+            if not ok:
+                raise ValueError(f"speculative_{f.name} must be {kind}, got {value!r}")
 
     @classmethod
     def from_prefixed(cls, values: Mapping[str, Any], prefix: str = "speculative_") -> SpecConfig:

@@ -106,7 +106,11 @@ def structured_output_from_args(args: argparse.Namespace) -> StructuredOutput | 
         return None
     if args.json_schema is not None:
         path = Path(args.json_schema)
-        return StructuredOutput(json=path.read_text() if path.is_file() else args.json_schema)
+        if path.is_file():
+            return StructuredOutput(json=path.read_text())
+        if not args.json_schema.lstrip().startswith("{"):
+            raise ValueError(f"--json-schema {args.json_schema!r}: no such file, and not a JSON schema's text")
+        return StructuredOutput(json=args.json_schema)
     if args.json_object:
         return StructuredOutput(json_object=True)
     if args.regex is not None:

@@ -171,6 +171,7 @@ def create_drafter(spec: SpecConfig, target: TargetInfo) -> Drafter:
     cls = registry.lookup(spec.algorithm, "drafter") if spec.algorithm else None
     if cls is None:
         raise ValueError(
-            f"unknown speculative algorithm {spec.algorithm!r}; available: {', '.join(available_drafters())}"
+            f"unknown speculative algorithm {spec.algorithm!r}; available: {', '.join(available_drafters())} "
+            "(or none / off: plain decoding)"
         )
     return cls(spec, target)
