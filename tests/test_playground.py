@@ -265,6 +265,38 @@ def test_the_page_streams_an_answer_coloured_by_who_wrote_it(suffix_server):
     assert shown["bars"] >= 1
 
 
+def test_the_page_says_so_when_the_server_goes_away_mid_answer(one_thread):
+    """A stream cut before its end (here the drain timeout of a shutdown ran out) is an error the
+    page names, not a finished answer; the buttons come back."""
+    from tandem.engine.engine import Engine
+    from tandem.launch_server import serve_in_background
+    from tandem.server.app import build_app
+    from tandem.server.async_engine import AsyncEngine
+    from tandem.server.metrics import ServerMetrics
+
+    engine = Engine(chat_loaded(), EngineConfig(max_model_len=8192, max_num_seqs=2))
+    server = serve_in_background(build_app(AsyncEngine(engine, 4, ServerMetrics(NAME)), NAME), drain_timeout_s=0.5)
+    driver = browser()
+    try:
+        driver.get(server.url.removesuffix("/v1") + "/")
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: "drafter" in d.find_element(By.ID, "server").text)
+        driver.execute_script("document.getElementById('max_tokens').value = 8000;")
+        box = driver.find_element(By.ID, "prompt")
+        box.clear()
+        box.send_keys(" ".join(map(str, PROMPTS[1])))
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_element(By.ID, "answer").text)
+        server.stop()
+        wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "done")
+        error = driver.find_element(By.ID, "error").text
+        assert "cut off" in error or "went away" in error, error
+        assert driver.find_element(By.ID, "send").is_enabled()
+    finally:
+        driver.quit()
+        server.stop()
+
+
 @pytest.mark.slow
 def test_the_page_on_the_default_model_and_drafter(tmp_path):
     """The real default model and its drafter at a fixed draft length (the adaptive policy may
