@@ -191,6 +191,30 @@ NO_SPECULATION = ("none", "off")
 TREE_DEPTH = 5  # a tree's depth when --speculative-num-steps is not given
 
 
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _name(value) -> bool:
+    return value is None or isinstance(value, str)
+
+
+# SpecConfig's fields: what each must be, as its error says it, and the test.
+_SPEC_KINDS = {
+    "algorithm": ("a name", _name),
+    "num_draft_tokens": ("an integer", _integer),
+    "draft_model_path": ("a path", lambda v: v is None or isinstance(v, (str, os.PathLike))),
+    "ngram_max": ("an integer", _integer),
+    "ngram_min": ("an integer", _integer),
+    "num_steps": ("an integer", lambda v: v is None or _integer(v)),
+    "eagle_topk": ("an integer", _integer),
+    "lookup": ("true or false", lambda v: isinstance(v, bool)),
+    "corpus": ("true or false", lambda v: isinstance(v, bool)),
+    "policy": ("a name", _name),
+    "min_survival": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+}
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding settings; names follow SGLang's launch flags.
@@ -254,18 +278,8 @@ class SpecConfig:
         for a count once failed in a comparison deep inside)."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("num_draft_tokens", "ngram_max", "ngram_min", "num_steps", "eagle_topk"):
-                ok = (value is None and f.name == "num_steps") or (isinstance(value, int) and not isinstance(value, bool))
-                kind = "an integer"
-            elif f.name == "min_survival":
-                ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-            elif f.name in ("lookup", "corpus"):
-                ok, kind = isinstance(value, bool), "true or false"
-            elif f.name == "draft_model_path":
-                ok, kind = value is None or isinstance(value, (str, os.PathLike)), "a path"
-            else:  # algorithm, policy
-                ok, kind = value is None or isinstance(value, str), "a name"
-            if not ok:
+            kind, ok = _SPEC_KINDS[f.name]
+            if not ok(value):
                 raise ValueError(f"speculative_{f.name} must be {kind}, got {value!r}")
 
     @classmethod

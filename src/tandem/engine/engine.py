@@ -144,11 +144,13 @@ class Engine:
         the requests share (the drafter, the forward) the requests the step had not served run
         again (_recover)."""
         self.prefilling.extend(self.admission.admit(self.waiting))
-        members = [*self.running, *self.prefilling]
         self._updates = []
         try:
             self._round(draft=True)
         except Exception:
+            # The step's requests: the round only moves a completed prompt from prefilling to running
+            # (retiring comes after it), so they are looked up here, not copied on every step.
+            members = [*self.running, *self.prefilling]
             unserved = self._unserved(members)
             self._log_failure("a step over %d requests failed; the %d it had not served run again without drafts",
                               len(members), len(unserved))

@@ -156,6 +156,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_generations(ctx, 1, body.n)
         prompt = await _encode_chat(ctx, body)
         return await _serve(ctx, body, [prompt], request, chat=True)
 
@@ -294,7 +295,6 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
     params = _sampling_params(ctx, body, prompts, await _structured_output(ctx, body))
     flat_prompts = [p for p, ps in zip(prompts, params) for _ in ps]
     flat_params = [sp for ps in params for sp in ps]
-    _check_generations(ctx, len(prompts), body.n)  # chat's check (completions' ran before tokenizing)
     api_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     prompt_tokens = sum(len(p) for p in prompts)
     finish_label = None
