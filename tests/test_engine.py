@@ -218,6 +218,79 @@ def test_logit_bias_is_checked():
         make_llm().generate(PROMPTS[0], SamplingParams(logit_bias={500: 1.0}))
 
 
+def _min_tokens_case():
+    """A greedy answer, a stop token it draws early (at index 2 or later) and a min_tokens past it."""
+    base = make_llm().generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].token_ids
+    stop = next(t for i, t in enumerate(base) if i >= 2 and base.index(t) == i)
+    return base, stop, base.index(stop) + 4
+
+
+def test_min_tokens_holds_back_stop_tokens_and_strings():
+    """vLLM's min_tokens: the stop tokens cannot be drawn at the first min_tokens positions (the
+    answer is the one with the token banned there) and stop strings found in those tokens' text
+    do not end it; a stop token after them does."""
+    base, stop, m = _min_tokens_case()
+    banned = make_llm().generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                             logit_bias={stop: -100.0}))[0].token_ids
+    llm = make_llm()
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                  stop_token_ids=(stop,), min_tokens=m))[0]
+    assert out.token_ids[:m] == banned[:m] and stop not in out.token_ids[:m]
+    if stop in out.token_ids:  # a stop token after min_tokens still ends the answer
+        assert out.token_ids[-1] == stop and out.token_ids.index(stop) >= m and out.finish_reason == "stop"
+    early = f"<{base[1]}>"  # in the text of the first tokens, where stop strings are not looked for
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=(early,),
+                                                  min_tokens=m))[0]
+    assert out.token_ids[:m] == base[:m] and len(out.token_ids) > m
+    j = next(i for i, t in enumerate(base) if i > m and t not in base[:i])  # a token new after min_tokens
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                  stop=(early, f"<{base[j]}>"), min_tokens=m))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base[: j + 1]
+    assert out.text == "".join(f"<{t}>" for t in base[:j])
+    eos = llm.engine.add_request(PROMPTS[0], SamplingParams(min_tokens=3, stop_token_ids=(stop,)))
+    ban = eos.stop_ban  # EOS (2) and the stop token, nothing else
+    assert ban[2] == ban[stop] == float("-inf") and ban.isfinite().sum() == ban.numel() - 2
+    llm.engine.abort(eos.request_id)
+
+
+@pytest.mark.parametrize("algorithm, tree", [("test_scripted", False), ("test_scripted_tree", True), ("ngram", False)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_under_speculation(algorithm, tree, temperature):
+    """Speculative output under min_tokens is plain output under it, token for token (greedy),
+    and for a seeded sampled request its stop tokens never come early: each verified row's ban
+    follows the output position it draws, along a chain or a tree's paths."""
+    _, stop, m = _min_tokens_case()
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=25, ignore_eos=True, stop_token_ids=(stop,),
+                            min_tokens=m)
+    spec = SpecConfig(algorithm=algorithm, num_draft_tokens=10 if tree else 4, eagle_topk=2 if tree else 1, num_steps=4)
+    llm = make_llm(spec=spec)
+    plain = _install_script(llm, params, 3)
+    unbanned = make_llm().generate(PROMPTS, SamplingParams(temperature=temperature, seed=3, max_tokens=25,
+                                                           ignore_eos=True, stop_token_ids=(stop,)))
+    out = llm.generate(PROMPTS, params)
+    for o in out:
+        assert stop not in o.token_ids[:m]
+    if temperature == 0:
+        assert [o.token_ids for o in plain] != [o.token_ids for o in unbanned]  # min_tokens is felt
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+        assert sum(o.spec.num_accepted_tokens for o in out) > 0
+
+
+def test_min_tokens_is_checked():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
+    with pytest.raises(TypeError, match="min_tokens"):
+        SamplingParams(min_tokens=2.5)
+    from tandem.config import StructuredOutput
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, structured_output=StructuredOutput(regex="a+"))
+    # a max_tokens the context cuts takes min_tokens down with it
+    out = make_llm().generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=500, min_tokens=400))[0]
+    assert len(out.token_ids) == 128 - len(PROMPTS[0]) and out.finish_reason == "length"
+
+
 def test_stops_inside_an_accepted_run():
     """Drafts run past max_tokens and past a stop token: nothing after them is emitted or counted."""
     base_params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

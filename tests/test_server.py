@@ -369,6 +369,24 @@ def test_stop_token_ids_end_the_choice_without_their_text(spec_server):
     assert cut["usage"]["completion_tokens"] == first + 1
 
 
+def test_min_tokens_holds_back_stop_token_ids(spec_server):
+    """vLLM's min_tokens, through the openai client's extra_body: a stop token the answer would
+    end on early cannot be drawn before it; more than max_tokens is a 400 naming the field."""
+    server, _ = spec_server
+    c = client(server)
+    full = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    ids = [int(t) for t in re.findall(r"<(\d+)>", full)]
+    stop = ids[2]
+    held = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 6})
+    got = [int(t) for t in re.findall(r"<(\d+)>", held.choices[0].text)]
+    assert stop not in got[:6] and held.usage.completion_tokens >= 6
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, extra_body={"min_tokens": 5})
+    assert err.value.body["param"] == "min_tokens"
+
+
 def test_stop_string_ends_the_choice(spec_server):
     server, _ = spec_server
     c = client(server)

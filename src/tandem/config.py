@@ -101,6 +101,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's min_tokens: EOS and stop_token_ids cannot be drawn, and stop strings do not end the
+    # answer, until this many tokens are out (max_tokens still ends it).
+    min_tokens: int = 0
     # Speculation for this request: at most this many draft tokens per round along a path (None:
     # the engine's setting; 0: plain decoding). Output is the same either way; only speed moves.
     max_draft_tokens: int | None = None
@@ -128,11 +131,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(not isinstance(s, str) for s in self.stop):
             raise TypeError(f"stop must be a string or strings, got {self.stop!r}")
-        for name in ("top_k", "max_tokens", "seed", "max_draft_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("top_k", "max_tokens", "min_tokens", "seed", "max_draft_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
-                raise TypeError(f"{name} must be an integer{'' if name in ('top_k', 'max_tokens') else ' or None'}, "
-                                f"got {value!r}")
+                required = name in ('top_k', 'max_tokens', 'min_tokens')
+                raise TypeError(f"{name} must be an integer{'' if required else ' or None'}, got {value!r}")
         if any(isinstance(t, bool) or not isinstance(t, Integral) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
@@ -157,6 +160,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         for name in ("logprobs", "prompt_logprobs"):
@@ -167,6 +172,8 @@ class SamplingParams:
             raise ValueError(f"max_draft_tokens must be >= 0 (0: plain decoding), got {self.max_draft_tokens}")
         if self.structured_output is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a structured output, which ends at EOS once matched")
+        if self.structured_output is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a structured output, which ends at EOS once matched")
 
     @property
     def greedy(self) -> bool:

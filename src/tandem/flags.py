@@ -68,6 +68,8 @@ def add_spec_args(p: argparse.ArgumentParser,
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="EOS cannot end the answer, nor a stop string, before this many tokens (vLLM's min_tokens)")
     p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -94,7 +96,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, max_tokens=args.max_new_tokens,
+        frequency_penalty=args.frequency_penalty, max_tokens=args.max_new_tokens, min_tokens=args.min_new_tokens,
         seed=args.seed, stop=tuple(args.stop), structured_output=structured_output_from_args(args),
     )
 

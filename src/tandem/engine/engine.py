@@ -91,7 +91,7 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_model_len}"
             )
         if params.max_tokens > budget:
-            params = dataclasses.replace(params, max_tokens=budget)
+            params = dataclasses.replace(params, max_tokens=budget, min_tokens=min(params.min_tokens, budget))
         need = self.admission.kv_need(len(prompt_ids), params)
         if need > self.admission.max_total_tokens:
             raise ValueError(
@@ -106,6 +106,10 @@ class Engine:
                 raise ValueError(f"logit_bias names a token outside the vocabulary [0, {vocab})")
             bias_row = torch.zeros(vocab)
             bias_row[[t for t, _ in params.logit_bias]] = torch.tensor([b for _, b in params.logit_bias])
+        stop_ban = None
+        if params.min_tokens:
+            stop_ban = torch.zeros(vocab)
+            stop_ban[list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))] = float("-inf")
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
@@ -114,6 +118,7 @@ class Engine:
             eos_ids=self.eos_ids,
             grammar=grammar,
             bias_row=bias_row,
+            stop_ban=stop_ban,
         )
         self.waiting.append(req)
         return req
@@ -345,8 +350,9 @@ class Engine:
 
     def _shift_rows(self, batch: list[Request], drafts: list[Draft]) -> tuple[list[Draft], list[torch.Tensor | None]]:
         """What each request adds to its verified rows' logits first (Request.logit_shift; None
-        for most): its logit bias, and for a structured output -inf where the grammar refuses a
-        token, row i after the committed tokens and the draft's path to node i (tandem.grammar).
+        for most): its logit bias, -inf at its stop tokens in rows before min_tokens, and for a
+        structured output -inf where the grammar refuses a token, row i after the committed
+        tokens and the draft's path to node i (tandem.grammar).
         A deterministic chain is cut before the first token its grammar refuses: the one-hot rule
         would reject it with certainty and draw from p with it removed, which is p itself (its
         probability is 0), so the cut changes nothing but the rows computed. A sampled draft is
@@ -362,7 +368,8 @@ class Engine:
                 if draft.probs is None and valid < len(draft):
                     draft = drafts[b] = draft.truncated(valid)
                     allowed = allowed[: valid + 1]
-            shifts[b] = req.logit_shift(allowed, len(draft) + 1)
+            depths = [0] + [len(path) for path in tree_paths(draft.parents)] if draft.is_tree else None
+            shifts[b] = req.logit_shift(allowed, len(draft) + 1, depths)
         return drafts, shifts
 
     def _verify_forward(self, batch: list[Request], drafts: list[Draft], chunks: list[tuple[Request, int, int]]):

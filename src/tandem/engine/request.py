@@ -158,21 +158,35 @@ class Request:
     grammar: GrammarState | None = None
     # With params.logit_bias: the bias as one [V] row, added to every row's logits.
     bias_row: torch.Tensor | None = None
+    # With params.min_tokens: one [V] row, -inf at EOS (unless ignore_eos) and the stop token ids,
+    # added to the rows that draw one of the first min_tokens output tokens.
+    stop_ban: torch.Tensor | None = None
+    # Stop strings count only where they end past this much text: the text of the first
+    # min_tokens output tokens, in which none is looked for.
+    _stop_floor: int = field(default=0, repr=False)
 
     def prompt_logprob_entries(self) -> list[TokenLogprob | None]:
         """One per prompt token (params.prompt_logprobs), None for the first: nothing predicts it."""
         return [None, *self.prompt_logprobs]
 
-    def logit_shift(self, allowed: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    def logit_shift(self, allowed: torch.Tensor | None, rows: int, depths: list[int] | None = None
+                    ) -> torch.Tensor | None:
         """What to add to `rows` logit rows before anything else (sampling.shifted): -inf where
         the structured output refuses a token (allowed: [rows, V] bool from its grammar), plus
-        the logit bias; None when the request has neither."""
-        if allowed is None and self.bias_row is None:
-            return None
-        if allowed is None:
-            return self.bias_row.expand(rows, -1)
-        shift = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-        return shift if self.bias_row is None else shift + self.bias_row
+        the logit bias, plus -inf at the stop tokens in rows that draw one of the first
+        min_tokens output tokens (row i draws output token len(output_ids) + depths[i]; depths
+        None: a chain, depth i); None when nothing applies."""
+        banning = self.stop_ban is not None and len(self.output_ids) < self.params.min_tokens
+        if allowed is None and not banning:
+            return None if self.bias_row is None else self.bias_row.expand(rows, -1)
+        shift = (torch.zeros(rows, self.stop_ban.shape[0]) if allowed is None
+                 else torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")))
+        if self.bias_row is not None:
+            shift += self.bias_row
+        if banning:
+            depth = torch.arange(rows) if depths is None else torch.tensor(depths)
+            shift[len(self.output_ids) + depth < self.params.min_tokens] += self.stop_ban
+        return shift
 
     def generator_on(self, device: str | torch.device) -> torch.Generator:
         """The generator for draws on `device`: the request's own where it lives, else one made
@@ -251,10 +265,15 @@ class Request:
 
     def _hit_stop_string(self, tokenizer) -> bool:
         text = self._decode_output(tokenizer)
+        if len(self.output_ids) <= self.params.min_tokens:  # none is looked for yet (vLLM's rule)
+            self.text = text
+            self._stop_floor = len(text)
+            return False
         # Only the tail can newly contain a stop string; search from a little before the old end.
         lookback = max(len(s) for s in self.params.stop) + 8
         begin = max(0, min(len(self.text), len(text)) - lookback)
-        hits = [i for i in (text.find(s, begin) for s in self.params.stop) if i >= 0]
+        hits = [i for i in (text.find(s, max(begin, self._stop_floor - len(s) + 1)) for s in self.params.stop)
+                if i >= 0]
         self.text = text[: min(hits)] if hits else text
         return bool(hits)
 

@@ -276,7 +276,7 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                     frequency_penalty=body.frequency_penalty,
                     # max_tokens 0 (echo: the prompt scored): one token is generated and not returned.
                     max_tokens=room if body.max_tokens is None else max(body.max_tokens, 1),
-                    seed=seed, stop=body.stops, ignore_eos=body.ignore_eos,
+                    seed=seed, stop=body.stops, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                     max_draft_tokens=body.speculative_num_draft_tokens, token_origins=body.return_provenance,
                     logprobs=body.logprobs_count, structured_output=structure,
                     prompt_logprobs=body.logprobs_count if body.echoes_prompt else None, logit_bias=biases,

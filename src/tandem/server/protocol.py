@@ -1,7 +1,7 @@
 """The OpenAI request bodies tandem serves (completions, chat completions), as pydantic models;
 what it answers is server/responses.py. Constraints live on the fields, so bad values are
 rejected before they reach the engine and the OpenAPI schema at /openapi.json states them.
-`top_k`, `min_p`, `repetition_penalty` and `ignore_eos` are vLLM-style extensions; `spec` on
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `min_tokens` are vLLM-style extensions; `spec` on
 responses carries the request's speculation stats. `speculative_num_draft_tokens` caps one request's drafts, and
 `return_provenance` adds `provenance` to its choices: the text cut by who wrote it (the drafter or
 the target) and each round's acceptance; without it no choice carries the field.
@@ -150,6 +150,9 @@ class SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = Field(False, description="extension: generate max_tokens even past EOS")
+    min_tokens: StrictInt = Field(0, ge=0, description="extension (vLLM's): EOS and stop_token_ids cannot be "
+                                                       "drawn, and stop strings do not end the answer, until this "
+                                                       "many tokens are out")
     user: str | None = None
     speculative_num_draft_tokens: StrictInt | None = Field(
         None, ge=0, description="extension: at most this many draft tokens per round for this request "
@@ -218,6 +221,8 @@ class SamplingFields(BaseModel):
                 raise FieldError("max_completion_tokens",
                                  "max_tokens and max_completion_tokens differ: send one of them")
             self.max_tokens = self.max_completion_tokens
+        if self.max_tokens is not None and self.min_tokens > max(self.max_tokens, 1):
+            raise FieldError("min_tokens", f"min_tokens {self.min_tokens} is more than max_tokens {self.max_tokens}")
         return self
 
     @property
