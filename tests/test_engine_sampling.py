@@ -246,7 +246,8 @@ def run_engine(spec: SpecConfig, waves: list[int], params: SamplingParams = PARA
             reqs.append(engine.add_request(list(prompt), replace(params, seed=seed * 1_000_003 + len(reqs))))
         while engine.has_work():
             engine.step()
-    assert all(r.finish_reason == "length" and len(r.output_ids) == params.max_tokens for r in reqs)
+    assert all(len(r.output_ids) == params.max_tokens for r in reqs)
+    assert all(r.finish_reason == "length" or r.output_ids[-1] in params.stop_token_ids for r in reqs)
     return reqs, engine
 
 
@@ -444,3 +445,66 @@ def test_adaptive_negative_control_a_cut_that_reads_the_draft_fails(noisy_draft_
     assert {k for (limit, k) in chosen if limit == 2} == {2}  # the policy drafts 2, the cut shortens
     checks = {c.name: c for c in engine_checks(reqs, sizes, bonus=False)}
     assert not checks["(t1, t2, t3), waves of 16"].passed, report(list(checks.values()))
+
+
+# min_tokens: the two tokens the prompt's first row likes best (0.55 of its mass, 0.28 of the
+# third token's) are stop tokens, held back at the first two output positions. t1 comes from
+# the prefill and t2 from a round's first row, both held back; t3 from the round's second row
+# after an accepted draft, or from a plain round's first, free either way.
+MIN_TOKENS = 2
+
+
+class HeldBack(Target):
+    """The target with the stop tokens at probability 0 (the rest renormalised) at the first
+    MIN_TOKENS output positions: what plain decoding draws from under min_tokens (the ban is
+    -inf on the logits before the penalty and temperature, and nothing here filters)."""
+
+    def __init__(self, target: Target, prompt: tuple[int, ...], stops: list[int]) -> None:
+        self.__dict__.update(vars(target))
+        self.base, self.prompt_len, self.stops = target, len(prompt), stops
+
+    def probs(self, seqs):
+        rows = []
+        for seq, row in zip(seqs, self.base.probs(seqs)):
+            if len(seq) - self.prompt_len < MIN_TOKENS:
+                row = row.clone()
+                row[self.stops] = 0.0
+                row /= row.sum()
+            rows.append(row)
+        return rows
+
+
+def run_min_tokens(spec: SpecConfig, n: int) -> list[Check]:
+    prompt, target = setup()
+    stops = target.probs([prompt])[0].argsort(descending=True)[:2].tolist()
+    params = replace(PARAMS, stop_token_ids=tuple(stops), min_tokens=MIN_TOKENS)
+    reqs, engine = run_engine(spec, [n], params)
+    stats = engine.stats  # drafts were graded, some accepted and some not
+    assert stats.num_draft_tokens >= n / 5 and 50 <= stats.num_accepted_tokens < stats.num_draft_tokens, stats.as_dict()
+    held = HeldBack(target, prompt, stops)
+    samples = [tuple(r.output_ids) for r in reqs]
+    alpha = ALPHA / 3
+    return [joint_check("(t1, t2, t3)", samples, held.joint(prompt, 3, n), alpha),
+            *(likelihood_check(f"mean p(t{j + 1})", prompt, held, samples, j, alpha) for j in (1, 2))]
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT_MODEL], ids=lambda s: s.algorithm)
+def test_sampled_output_follows_the_target_under_min_tokens(spec, noisy_draft_model):
+    """min_tokens under sampling: (t1, t2, t3) against the exact law with the stop tokens held
+    back at the first two positions, through deterministic and sampled drafts."""
+    checks = run_min_tokens(spec, N)
+    assert all(c.passed for c in checks), report(checks)
+
+
+def test_min_tokens_negative_control_a_ban_on_every_row_fails(noisy_draft_model):
+    """A ban that ignores which output position each verified row draws (every row of a round
+    that starts before min_tokens held back) keeps the stop tokens from t3 after an accepted
+    draft: the joint law must see it."""
+    def every_row(self, allowed, rows, depths=None):
+        return original(self, allowed, rows, [0] * rows)
+
+    original = engine_module.Request.logit_shift
+    with mock.patch.object(engine_module.Request, "logit_shift", every_row):
+        checks = run_min_tokens(DRAFT_MODEL, N_CONTROL)
+    assert not checks[0].passed, report(checks)
+
