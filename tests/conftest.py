@@ -84,6 +84,25 @@ class ToyTokenizer:
         return "".join(f"<{i}>" for i in ids if not (skip_special_tokens and i == self.eos_token_id))
 
 
+def write_tiny_target(root):
+    """A tiny random llama as an HF directory with a word-level tokenizer (t0 .. t96; t2 is EOS)
+    that tandem's CLI loads by path, and a .jsonl of 20 prompts beside it: (root, prompts)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    hf, _ = build_tiny("llama")
+    hf.save_pretrained(root)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2").save_pretrained(root)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(" ".join(f"t{3 + (i * 13 + j) % 90}" for j in range(4))) + "\n"
+                               for i in range(20)))
+    return root, prompts
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core machine every

@@ -104,7 +104,7 @@ def test_prompt_files(tmp_path):
     jl.write_text('{"question": "no prompt field"}\n')
     with pytest.raises(ValueError, match='p.jsonl:1: no prompt text; give a "prompt"'):
         load_prompt_file(str(jl))
-    with pytest.raises(FileNotFoundError, match="prompt file not found"):
+    with pytest.raises(FileNotFoundError, match="missing.txt: no such file"):
         load_prompt_file(str(tmp_path / "missing.txt"))
     sample = spread_prompts(7)
     assert len(sample) == 7 and len({p.category for p in sample[:6]}) == 6
@@ -166,8 +166,16 @@ def test_advise_rejects_bad_input(tmp_path, capsys):
     assert main(["advise", "--limit", "0"]) == 2
     assert main(["advise", "--prompts", str(tmp_path / "missing.txt")]) == 2
     assert main(["advise", "--drafters", "eagle3@k=16@topk=4", "--limit", "1"]) == 2
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a haiku.\n")
+    assert main(["advise", "--prompts", str(prompts), "--json", str(tmp_path / "." / "prompts.txt")]) == 2
+    assert prompts.read_text() == "Write a haiku.\n"
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(b"\xff\xfe")
+    assert main(["advise", "--prompts", str(binary)]) == 2
     err = capsys.readouterr().err
-    assert "unknown drafter 'nope'" in err and "--limit must be >= 1" in err and "prompt file not found" in err
+    assert "unknown drafter 'nope'" in err and "--limit must be >= 1" in err and "missing.txt: no such file" in err
+    assert "is one of the command's input files" in err and "prompts.bin is not UTF-8 text" in err
     assert "drop the @ options of eagle3@k=16@topk=4" in err
 
 

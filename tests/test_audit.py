@@ -145,6 +145,7 @@ def test_audit_that_verified_nothing_is_inconclusive():
     report = run_audit(engine("test_audit_silent"), PROMPT, PARAMS, rounds=400, batch=100)
     assert report.drafted_rounds == 0 and report.check("position 1 token").passed
     assert report.verdict == "inconclusive" and not report.passed and "INCONCLUSIVE" in report.render()
+    assert "the drafter proposed nothing for this prompt" in report.render()  # the policy was fixed
     report = run_audit(engine("ngram", k=3), PROMPT, PARAMS, rounds=20, batch=20)
     assert all(c.passed is None for c in report.checks)
     assert report.verdict == "inconclusive", report.render()

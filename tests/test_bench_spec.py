@@ -238,6 +238,9 @@ def test_spec_merge_command(report, tmp_path, capsys):
     assert "merged 2 reports" in out and "greedy identity" in out
     assert main(["bench", "spec-merge", str(tmp_path / "missing.json"), "--json", ""]) == 2
     assert "no such report" in capsys.readouterr().err
+    part = files[0].read_text()
+    assert main(["bench", "spec-merge", *map(str, files), "--json", str(files[0]), "--plots", ""]) == 2
+    assert "is one of the command's input files" in capsys.readouterr().err and files[0].read_text() == part
 
 
 def test_parse_methods():

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import time
 
 import pytest
 import torch
 
-from conftest import build_tiny
+from conftest import write_tiny_target
 from tandem.cli import main
 from tandem.train.trainer import auto_precision
 
@@ -16,18 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    root = tmp_path_factory.mktemp("target")
-    hf, _ = build_tiny("llama")
-    hf.save_pretrained(root)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2").save_pretrained(root)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(" ".join(f"t{3 + (i * 13 + j) % 90}" for j in range(4))) + "\n" for i in range(20)))
-    return root, prompts
+    return write_tiny_target(tmp_path_factory.mktemp("target"))
 
 
 def _argv(tiny_target, tmp_path, *extra):
@@ -49,7 +42,8 @@ def test_train_cli_writes_a_loadable_head_and_resumes(tiny_target, tmp_path, cap
     record = json.loads((out / "training_record.json").read_text())
     assert record["method"] == "medusa" and record["training"]["steps_done"] == 6 and record["training"]["finished"]
     assert record["data"]["train_prompts"] == 12 and record["data"]["held_out_prompts"] == 4
-    assert record["held_out"]["tau"] >= 1.0 and len(record["held_out"]["acceptance"]) == 5
+    # --eval-k 5, and the held-out evaluation scores the 2 positions the 2 medusa heads draft
+    assert record["held_out"]["tau"] >= 1.0 and len(record["held_out"]["acceptance"]) == 2
     assert record["training"]["precision"] == auto_precision("cpu")  # --precision auto, recorded as what ran
     assert torch.get_num_threads() == 1  # --threads 1 held for every stage
     loaded = load_model(str(tiny_target[0]))
@@ -200,6 +194,60 @@ def test_mistakes_are_refused_before_anything_runs(tiny_target, tmp_path, capsys
     checkpoint.write_bytes(before[: len(before) // 2])  # a damaged checkpoint is named, not a traceback
     assert main(_argv(tiny_target, tmp_path, "--steps", "6", "--resume")) == 2
     assert "checkpoint is damaged" in capsys.readouterr().err
+    checkpoint.write_text("garbage\n")  # not torch's at all
+    assert main(_argv(tiny_target, tmp_path, "--steps", "6", "--resume")) == 2
+    assert "checkpoint is damaged" in capsys.readouterr().err
+
+
+def test_a_resume_that_cannot_work_is_refused_before_answering(tiny_target, tmp_path, capsys):
+    """--resume with another method, or for another target (told from its config alone), is
+    refused before the target answers a prompt; a smaller --steps says nothing was added."""
+    assert main(_argv(tiny_target, tmp_path, "--steps", "3")) == 0
+    capsys.readouterr()
+    answers = sorted((tmp_path / "data").rglob("*.jsonl"))
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_target[0], other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    (tmp_path / "data").rename(tmp_path / "kept")  # answering anything would recreate it
+    assert main(_argv(tiny_target, tmp_path, "--steps", "6", "--resume", "--method", "mtp")) == 2
+    assert "holds a medusa run, not mtp" in capsys.readouterr().err
+    assert main(_argv(tiny_target, tmp_path, "--steps", "6", "--resume", "--target", str(other))) == 2
+    err = capsys.readouterr().err
+    assert "trains a head for" in err and "num_layers" in err
+    assert not (tmp_path / "data").exists()
+    (tmp_path / "kept").rename(tmp_path / "data")
+    assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--resume")) == 0
+    assert "the checkpoint had 3 steps, more than --steps 2" in capsys.readouterr().out
+    assert sorted((tmp_path / "data").rglob("*.jsonl")) == answers
+
+
+def test_sigterm_stops_training_as_ctrl_c_does(tiny_target, tmp_path, capsys, monkeypatch):
+    """A scheduler's SIGTERM during the optimisation ends it with the checkpoint message and
+    exit 143, not a silent death."""
+    from tandem.train import cli as train_cli
+
+    def terminated_mid_run(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(train_cli, "train", terminated_mid_run)
+    assert main(_argv(tiny_target, tmp_path, "--steps", "3")) == 143
+    assert "tandem train: terminated; no checkpoint was written yet" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+
+
+def test_prompt_files_that_are_not_text_or_json_are_named(tiny_target, tmp_path, capsys):
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00bad\n")
+    prose = tmp_path / "prose.jsonl"
+    prose.write_text('"a prompt"\nnot json at all\n')
+    for path, message in ((binary, f"prompt file {binary} is not UTF-8 text"), (prose, f"{prose}:2: not JSON")):
+        argv = _argv(tiny_target, tmp_path, "--steps", "1")
+        argv[argv.index("--prompts") + 1] = str(path)
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_a_damaged_head_is_a_clear_error(tiny_target, tmp_path):

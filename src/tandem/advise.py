@@ -36,6 +36,7 @@ from tandem.llm import LLM, configure_threads
 from tandem.model.cost import forward_cost_curve
 from tandem.model.catalogue import DEFAULT_MODEL
 from tandem.model.loader import load_model
+from tandem.paths import check_not_an_input
 from tandem.scheduler.cost_model import CostCurve, best_k, break_even_batch, expected_tau, speedup
 
 K_MAX = 8
@@ -343,6 +344,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     _check_settings(args.k_max, args.temperature)  # before the model loads and the machine is measured
+    if args.json and args.prompts:
+        check_not_an_input(args.json, [args.prompts], "--json")
     prompts = load_prompt_file(args.prompts, args.limit) if args.prompts else spread_prompts(args.limit)
     methods = parse_methods(args.drafters, "--drafters") if args.drafters else None
     if methods and (trees := [m.label for m in methods if m.eagle_topk > 1 or m.num_draft_tokens or m.num_steps]):

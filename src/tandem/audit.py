@@ -39,13 +39,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 import torch
-from tqdm.auto import tqdm
 
 from tandem.config import SamplingParams, SpecConfig
 from tandem.drafters import DraftInput, DraftOutcome
 from tandem.engine.engine import Engine
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
+from tandem.progress import progress
 from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator, processed_probs
 from tandem.types import rooted_parents
 from tandem.verify import grading
@@ -81,6 +81,7 @@ class AuditReport:
     alpha: float
     checks: list[AuditCheck] = field(default_factory=list)
     drafted_rounds: int | None = None  # the rounds whose draft was not empty
+    policy: str = "fixed"  # the speculation policy the engine ran
 
     @property
     def verdict(self) -> str:
@@ -141,8 +142,11 @@ class AuditReport:
         elif verdict == "fail":
             lines.append("verdict: FAIL")
         elif self.drafted_rounds == 0:
-            lines.append("verdict: INCONCLUSIVE: no round drafted, so no draft was verified (the speculation policy "
-                         "drafted nothing here; --speculative-policy fixed drafts every round)")
+            why = ("the drafter proposed nothing for this prompt: give one it can draft for (the lookup drafters "
+                   "need text that repeats)" if self.policy == "fixed" else
+                   f"the {self.policy} speculation policy drafted nothing here; --speculative-policy fixed drafts "
+                   "every round the drafter can")
+            lines.append(f"verdict: INCONCLUSIVE: no round drafted, so no draft was verified ({why})")
         else:
             lines.append(f"verdict: INCONCLUSIVE: no check had {MIN_GROUP} samples (raise --rounds)")
         return "\n".join(lines)
@@ -214,7 +218,7 @@ class Auditor:
         per batch, chains and trees alike) and graded by `grading.grade_round`."""
         drafter, n = self.engine.drafter, len(self.ctx) - 1
         out: list[_Round] = []
-        with tqdm(total=rounds, desc="audit rounds", disable=None) as bar:
+        with progress(total=rounds, desc="audit rounds") as bar:
             for start in range(0, rounds, self.batch):
                 size = min(self.batch, rounds - start)
                 seeds = [seed * 1_000_003 + start + i for i in range(size)]
@@ -380,10 +384,11 @@ def run_audit(engine: Engine, prompt_ids: list[int], params: SamplingParams, rou
         raise ValueError(f"alpha is a significance level in (0, 1), got {alpha}")
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if not params.greedy and (params.structured_output is not None or params.logit_bias):
-        raise ValueError("the sampled audit checks the target's own distribution; a structured output or a logit "
-                         "bias shifts it (tests/test_structured_output.py checks that case)")
-    report = AuditReport(engine.config.spec.algorithm or "", rounds, alpha)
+    if not params.greedy and (params.structured_output is not None or params.logit_bias or params.min_tokens):
+        raise ValueError("the sampled audit checks the target's own distribution; a structured output, a logit "
+                         "bias or min_tokens shifts it (tests/test_structured_output.py and test_engine_sampling.py "
+                         "check those cases)")
+    report = AuditReport(engine.config.spec.algorithm or "", rounds, alpha, policy=engine.config.spec.policy)
     if params.greedy:
         check, report.rounds, report.drafted_rounds = _greedy_identity(engine, prompt_ids, params)
         report.checks.append(check)

@@ -36,31 +36,43 @@ def llm_from_args(args):
     )
 
 
+def _prompts_of(args) -> list[str] | None:
+    """--prompt, else stdin's lines (a prompt each) where stdin is not a terminal; None on a
+    terminal (the interactive loop; --json's example prompt)."""
+    if args.prompt is not None:
+        return [args.prompt]
+    if sys.stdin.isatty():
+        return None
+    prompts = [line.strip() for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt: stdin held none (one prompt per line); give one, or --prompt TEXT")
+    return prompts
+
+
 def cmd_generate(args) -> int:
     params = sampling_from_args(args)
+    prompts = _prompts_of(args)
     llm = llm_from_args(args)
     if params.structured_output is not None:  # compiled once here, so tokens/s times decoding alone
         llm.engine.grammars.check(params.structured_output)
-    if args.json:
-        prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-        t0 = time.perf_counter()
-        out = llm.generate(prompt, params, chat=args.chat)[0]
-        seconds = time.perf_counter() - t0
-        record = {
-            "text": out.text,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids)},
-            "timing": {"seconds": round(seconds, 4), "tokens_per_second": round(len(out.token_ids) / seconds, 2)},
-        }
-        if llm.config.spec.algorithm:
-            record["spec"] = out.spec.as_dict()
-        print(json.dumps(record))
+    if args.json:  # a JSON object per prompt
+        for prompt in prompts or [DEFAULT_PROMPT]:
+            t0 = time.perf_counter()
+            out = llm.generate(prompt, params, chat=args.chat)[0]
+            seconds = time.perf_counter() - t0
+            record = {
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids)},
+                "timing": {"seconds": round(seconds, 4),
+                           "tokens_per_second": round(len(out.token_ids) / seconds, 2)},
+            }
+            if llm.config.spec.algorithm:
+                record["spec"] = out.spec.as_dict()
+            print(json.dumps(record), flush=True)
         return 0
-    prompts = [args.prompt] if args.prompt is not None else None
-    interactive = prompts is None and sys.stdin.isatty()
-    if prompts is None and not interactive:
-        prompts = [line.strip() for line in sys.stdin if line.strip()] or [DEFAULT_PROMPT]
+    interactive = prompts is None
     while True:
         if interactive:
             try:
@@ -148,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"tandem: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("tandem: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

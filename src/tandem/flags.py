@@ -17,6 +17,7 @@ from tandem.config import (
     StructuredOutput,
 )
 from tandem.model.catalogue import DEFAULT_MODEL
+from tandem.paths import read_user_text
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -109,7 +110,7 @@ def structured_output_from_args(args: argparse.Namespace) -> StructuredOutput | 
     if args.json_schema is not None:
         path = Path(args.json_schema)
         if path.is_file():
-            return StructuredOutput(json=path.read_text())
+            return StructuredOutput(json=read_user_text(path, "--json-schema"))
         if not args.json_schema.lstrip().startswith("{"):
             raise ValueError(f"--json-schema {args.json_schema!r}: no such file, and not a JSON schema's text")
         return StructuredOutput(json=args.json_schema)
@@ -120,7 +121,7 @@ def structured_output_from_args(args: argparse.Namespace) -> StructuredOutput | 
     if args.choice:
         return StructuredOutput(choice=tuple(args.choice))
     if args.grammar is not None:
-        return StructuredOutput(grammar=Path(args.grammar).read_text())
+        return StructuredOutput(grammar=read_user_text(args.grammar, "--grammar"))
     return None
 
 

@@ -23,6 +23,29 @@ def shipped_drafter_dir(model_name: str, method: str, marker: str) -> Path | Non
     return path if (path / marker).exists() else None
 
 
+def read_user_text(path: str | Path, what: str) -> str:
+    """A file the user named on the command line, as text, or an error naming it and `what` it
+    was given as: missing, not a file, unreadable or not UTF-8."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path}: {'is a directory' if path.is_dir() else 'no such file'}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+    except OSError as err:
+        raise ValueError(f"{what} {path} cannot be read: {err.strerror or err}") from None
+
+
+def check_not_an_input(output: str | Path, inputs: list, flag: str) -> None:
+    """Refuse an output path that names one of the command's input files (it would be overwritten)."""
+    out = Path(output).resolve()
+    for given in inputs:
+        if Path(given).resolve() == out:
+            raise ValueError(f"{flag} {output} is one of the command's input files, which the output would "
+                             "overwrite; give another path")
+
+
 def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
     """safetensors' save_file, the file then readable as the umask allows, like every other file
     tandem writes (safetensors creates its files 0600: a head trained by one account could not be

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
+from tandem.paths import read_user_text
+
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 # Spec-Bench's subtasks as tandem names them (the MT-Bench ones grouped as multi_turn).
 SPEC_BENCH_SUBTASKS = ("multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -55,9 +57,7 @@ def load_prompt_file(path: str, limit: int | None = None) -> list[BenchPrompt]:
     first turn; Spec-Bench/MT-Bench files work as they are) and optionally "category", or a text
     file with one prompt per line."""
     file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
-    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    lines = [line for line in read_user_text(file, "prompt file").splitlines() if line.strip()]
     out: list[BenchPrompt] = []
     for n, line in enumerate(lines, 1):
         if file.suffix == ".jsonl":

@@ -21,8 +21,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from tandem.bench.plots import stamp_machine
 from tandem.bench.prompts import SPEC_BENCH_SUBTASKS, load_prompt_file, spread_prompts
 from tandem.bench.server_process import (
@@ -37,6 +35,7 @@ from tandem.bench.spec import machine_info
 from tandem.bench.steal import StealMeter, steal_notice
 from tandem.launch_server import SERVE_MAX_RUNNING_REQUESTS
 from tandem.model.catalogue import DEFAULT_MODEL
+from tandem.progress import progress
 
 MODES = ("adaptive", "fixed", "off")
 POLICY_MODES = ("adaptive", "fixed", "confidence")
@@ -254,7 +253,7 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
     if sum(sizes) > len(prompts):
         print(f"note: {sum(sizes)} requests over {len(prompts)} prompts: prompts repeat across levels, and a "
               "drafter that remembers earlier answers (suffix) will look better than it is", flush=True)
-    steps = tqdm(total=sum(slice_count(n, c, alternations) for c, n in zip(concurrencies, sizes)) * len(urls),
+    steps = progress(total=sum(slice_count(n, c, alternations) for c, n in zip(concurrencies, sizes)) * len(urls),
                  desc="bench serve", unit="run")
     offset = 0
     for c, n in zip(concurrencies, sizes):

@@ -19,8 +19,6 @@ from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from tandem.bench.burst import QUESTIONS
 from tandem.bench.server_process import (
     ServerError,
@@ -31,6 +29,7 @@ from tandem.bench.server_process import (
 from tandem.bench.spec import machine_info
 from tandem.bench.steal import StealMeter
 from tandem.model.catalogue import DEFAULT_MODEL
+from tandem.progress import progress
 
 RSS_GROWTH_LIMIT = 0.05
 
@@ -88,7 +87,7 @@ async def _soak(url: str, model: str, prompts: list[str], n: int, concurrency: i
     jobs = [(prompts[i % len(prompts)], _settings(rng), rng.randint(1, 6) if rng.random() < cancel_share else None)
             for i in range(n)]
     done = 0
-    bar = tqdm(total=n, desc="soak", unit="req")
+    bar = progress(total=n, desc="soak", unit="req")
     queue = list(range(n))
 
     async def user(http):

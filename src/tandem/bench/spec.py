@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from typing import Callable, Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from tandem.bench.draft_profile import DraftProfile, ProbedDrafter
 from tandem.bench.kernel_report import ISA_FLAGS
@@ -28,6 +27,7 @@ from tandem.config import EngineConfig, SamplingParams, SpecConfig, StructuredOu
 from tandem.drafters import TargetInfo, available_drafters, create_drafter
 from tandem.llm import LLM
 from tandem.model.kernels import cpu_flags, cpu_model, cpu_name, kernel_description
+from tandem.progress import progress as progress_bar
 from tandem.scheduler.profile import cost_curve_for
 from tandem.types import SpecStats
 
@@ -319,7 +319,7 @@ def _run_cases(cases: list[SpecCase], configs: list[RunConfig], hf_configs: list
     """Every configuration on each case before the next case (prompt i: seed + i); the runs by name."""
     runs: dict[str, list[Run]] = {cfg.name: [] for cfg in configs}
     hf_runs: dict[str, list[Run]] = {cfg.name: [] for cfg in hf_configs}
-    for i, case in enumerate(tqdm(cases, desc="prompts", unit="prompt", disable=not progress)):
+    for i, case in enumerate(progress_bar(cases, desc="prompts", unit="prompt", disable=not progress)):
         for cfg in configs:
             runs[cfg.name].append(cfg.run(case.prompt_ids, max_new_tokens, seed + i))
         for cfg in hf_configs:

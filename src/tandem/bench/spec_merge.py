@@ -18,6 +18,7 @@ from tandem.bench.draft_profile import DraftProfile
 from tandem.bench.prompts import spec_bench_prompts
 from tandem.bench.spec import OVERALL, PLAIN, summary_row
 from tandem.bench.spec_report import print_identity, print_table, write_outputs
+from tandem.paths import check_not_an_input
 from tandem.types import SpecStats
 
 # Report fields every merged run must share: they define what was measured.
@@ -152,6 +153,8 @@ def _median_cost_curve(curves: list[dict]) -> dict:
 
 def merge_command(args) -> int:
     paths = [Path(p) for p in args.reports]
+    if args.json:
+        check_not_an_input(args.json, paths, "--json")
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"no such report: {', '.join(missing)}")

@@ -17,12 +17,12 @@ import re
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tandem.model.cost import CONTEXT_FOR_CURVE, forward_cost_curve, prefix_costs
 from tandem.model.kernels import block_kernels, cpu_name, kernel_description
 from tandem.model.loader import LoadedModel
 from tandem.paths import cache_root
+from tandem.progress import progress
 from tandem.scheduler.cost_model import CostCurve, fit_context_costs
 
 log = logging.getLogger("tandem.server")
@@ -99,7 +99,7 @@ def cost_curve_for(
     # Rounds over every size, keeping each size's fastest time: on a shared CPU other tenants only
     # ever add time, and a burst of theirs hits one round of all sizes rather than one size.
     points: dict[int, float] = {}
-    for _ in tqdm(range(PROFILE_ROUNDS), desc="profiling forward cost (once per model/threads)", unit="round"):
+    for _ in progress(range(PROFILE_ROUNDS), desc="profiling forward cost (once per model/threads)", unit="round"):
         for n, seconds in forward_cost_curve(loaded, repeats=1, sizes=PROFILE_SIZES).items():
             points[n] = min(seconds, points.get(n, seconds))
     # A row never costs less than the rows before it (a scheduler prices rows by differences).

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from tqdm.auto import tqdm
 
 from tandem.drafters.heads.base import TrainBatch
 from tandem.model.kv_cache import KVCache
 from tandem.model.runner import ModelRunner, SeqInput
 from tandem.paths import save_safetensors
+from tandem.progress import progress
 from tandem.train.data import atomic_write, check_cache_meta
 
 log = logging.getLogger("tandem.train")
@@ -101,7 +101,7 @@ def write_captures(target_name: str, num_layers: int, forward_factory, seqs: lis
     if not todo:
         return paths
     forward = forward_factory(max(len(s.token_ids) for i in todo for s in shards[i]))
-    bar = tqdm(total=sum(len(shards[i]) for i in todo), desc=desc, unit="seq", disable=None)
+    bar = progress(total=sum(len(shards[i]) for i in todo), desc=desc, unit="seq")
     for i in todo:
         tensors = _shard_tensors(shards[i], forward, layers, batch_size, "cpu", store_dtype, bar)
         meta = {"keys": json.dumps([s.key for s in shards[i]])}
@@ -146,7 +146,7 @@ def capture_in_memory(forward_factory, seqs: list[Sequence], layers: tuple[int, 
     ordered = sorted(seqs, key=lambda s: len(s.token_ids))
     chunks = [ordered[i : i + shard_size] for i in range(0, len(ordered), shard_size)]
     forward = forward_factory(len(ordered[-1].token_ids))
-    bar = tqdm(total=len(ordered), desc=desc, unit="seq", disable=None)
+    bar = progress(total=len(ordered), desc=desc, unit="seq")
     shards = [_shard_tensors(chunk, forward, layers, batch_size, device, store_dtype, bar) for chunk in chunks]
     bar.close()
     size = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())

@@ -11,7 +11,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,7 +32,8 @@ from tandem.train.capture import CapturedData, capture_in_memory, engine_forward
 from tandem.train.data import DistillConfig, PromptSplit, distill, load_prompts
 from tandem.train.hf_backend import distill_hf, hf_forward_factory, load_hf_target
 from tandem.train.suffix_corpus import export_corpus
-from tandem.train.trainer import CHECKPOINT, PRECISIONS, TrainConfig, TrainResult, auto_precision, calibrate, train
+from tandem.train.trainer import (CHECKPOINT, CHECKPOINT_INFO, PRECISIONS, TrainConfig, TrainResult, auto_precision,
+                                  calibrate, train)
 
 log = logging.getLogger("tandem.train")
 
@@ -228,14 +231,26 @@ def cmd_train(args) -> int:
         return 0
     data, held, capture_setting = hidden
 
-    # 3. Optimise, evaluate, export.
+    # 3. Optimise, evaluate, export. SIGTERM (a scheduler's stop) ends it as Ctrl-C does.
+    terminated = []
+
+    def on_sigterm(signum, frame):
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
         result = train(head, target, data, held, cfg, args.out, resume=args.resume, eval_first=bool(args.init_from))
     except KeyboardInterrupt:
         kept = (Path(args.out) / CHECKPOINT).exists()
-        print("tandem train: interrupted; " + (f"{Path(args.out) / CHECKPOINT} keeps the last checkpoint: "
-              "--resume continues from it" if kept else "no checkpoint was written yet"), file=sys.stderr)
-        return 130
+        print(f"tandem train: {'terminated' if terminated else 'interrupted'}; "
+              + (f"{Path(args.out) / CHECKPOINT} keeps the last checkpoint: --resume continues from it" if kept
+                 else "no checkpoint was written yet"), file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     calibration = calibrate(head, target, held, cfg.device, cfg.batch_size)
     record = {
         "target": loaded.name,
@@ -304,6 +319,8 @@ def _check_train_args(args, options: dict) -> str:
         _check_directory("--data-dir", Path(args.data_dir))
     if args.resume and not (Path(args.out) / CHECKPOINT).exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
+    if args.resume:
+        _check_resumable(args)
     if args.method == "suffix" and (args.init_from or args.resume or args.capture_in_memory):
         raise ValueError("--method suffix writes a corpus of answers: there is no head to --init-from, --resume "
                          "or capture for")
@@ -331,6 +348,27 @@ def _check_train_args(args, options: dict) -> str:
         raise ValueError(f"--out {args.out} holds a run already ({CHECKPOINT}): continue it with --resume, or "
                          "give another --out (or remove that directory) to start afresh")
     return backend
+
+
+def _check_resumable(args) -> None:
+    """Before any answering: a checkpoint of another method or for another target (from the
+    target's config alone) cannot be resumed. The checkpoint itself is checked again on loading
+    (trainer._resume), also for head options."""
+    info_path = Path(args.out) / CHECKPOINT_INFO
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError):  # a run checkpointed before the file existed: _resume checks
+        return
+    if info["method"] != args.method:
+        raise ValueError(f"--resume: {args.out} holds a {info['method']} run, not {args.method}; resume it with "
+                         f"--method {info['method']}, or train into another --out")
+    want, cfg = info["target"], model_config(args.target)
+    diffs = [f"{k} {want[k]} vs {getattr(cfg, k)}" for k in ("vocab_size", "hidden_size", "num_layers")
+             if want[k] != getattr(cfg, k)]
+    if diffs:
+        raise ValueError(f"--resume: {args.out} trains a head for {want['model_name']!r}, not for {args.target} "
+                         f"({'; '.join(diffs)}); resume with --target {want['model_name']}, or train into another "
+                         "--out")
 
 
 def _distill_tandem(args, split: PromptSplit, deadline: float | None):
@@ -389,6 +427,8 @@ def _initial_head(args, target: TargetParts, loaded: LoadedModel, options: dict,
 def _print_result(args, target_name: str, result: TrainResult, steps: int) -> None:
     ev = result.eval
     state = "finished" if result.finished else f"stopped at step {result.step}/{steps} (continue with --resume)"
+    if result.step > steps:  # resumed with a smaller --steps: nothing more was trained
+        state = f"finished (the checkpoint had {result.step} steps, more than --steps {steps}: none were added)"
     print(f"{args.method} head for {target_name}: {state}; exported to {args.out}")
     if ev is not None:
         print(f"held-out ({ev.positions} positions): tau {ev.tau:.3f} (engine-like chain tau {ev.chain_tau:.3f}), "

@@ -17,9 +17,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from tandem.config import SamplingParams
+from tandem.paths import read_user_text
+from tandem.progress import progress
 
 log = logging.getLogger("tandem.train")
 
@@ -67,15 +67,21 @@ def read_prompt_file(path: str | Path) -> list[str]:
             f"{path.name} is an evaluation set (Spec-Bench / MT-Bench); training on it would inflate the "
             "benchmark. Use the training prompt sets (see src/tandem/data/SOURCES.md)."
         )
-    if not path.exists():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        records = json.loads(text)
-        if not isinstance(records, list):
+    text = read_user_text(path, "prompt file")
+    whole = path.suffix == ".json"  # one list of records, else one record per line
+    records = []
+    for n, line in enumerate([text] if whole else text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path if whole else f'{path}:{n}'}: not JSON ({err}); a prompt file is .json (a list "
+                             "of records) or .jsonl (one record per line)") from None
+    if whole:
+        if len(records) != 1 or not isinstance(records[0], list):
             raise ValueError(f"{path}: a .json prompt file must hold a list of records")
-    else:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        records = records[0]
     prompts = [p.strip() for p in map(_record_prompt, records) if p and p.strip()]
     if not prompts:
         raise ValueError(
@@ -219,7 +225,7 @@ def answer_prompts(prompts: list[str], directory: str | Path, cfg: DistillConfig
     if by_length:
         todo.sort(key=lambda item: len(item[1]))
     next_shard = len(list(directory.glob("answers-*.jsonl")))
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distillation", unit="prompt", disable=None)
+    bar = progress(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distillation", unit="prompt")
     for start in range(0, len(todo), shard_size):
         if deadline is not None and time.monotonic() > deadline:
             log.info("self-distillation time budget reached: %d of %d prompts answered (a rerun continues)",

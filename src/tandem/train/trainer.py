@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import time
 import warnings
@@ -19,15 +20,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from tandem.drafters.heads.base import DraftHead, TargetParts
 from tandem.model.kernels import cpu_flags
+from tandem.progress import progress
 from tandem.train.capture import CapturedData
 
 log = logging.getLogger("tandem.train")
 
 CHECKPOINT = "checkpoint.pt"
+# What the checkpoint holds, readable without loading it: method, head options and target, so a
+# --resume that cannot work is refused before the target answers any prompt (cli.py).
+CHECKPOINT_INFO = "checkpoint.json"
 METRICS = "metrics.json"
 PRECISIONS = ("float32", "bf16-mixed")
 
@@ -163,6 +167,8 @@ def simulated_chain_tau(per_sequence: list[torch.Tensor] | tuple[torch.Tensor, .
 
 @torch.no_grad()
 def evaluate(head: DraftHead, target: TargetParts, data: CapturedData, k: int, device: str, batch_size: int = 8) -> EvalResult:
+    """Held-out acceptance at the first k draft positions, or at as many as the head's drafts hold."""
+    k = min(k, head.max_draft_tokens or k)
     was_training = head.training
     head.eval()
     parts, lengths = [], []
@@ -236,11 +242,14 @@ def train(
     device = torch.device(cfg.device)
     target, params, optim, sched = _prepare(head, target, cfg, device)
     ckpt_path = out / CHECKPOINT
-    step, seconds_before, history = _resume(ckpt_path, head, optim, sched, device) if resume else (0, 0.0, [])
+    step, seconds_before, history = _resume(ckpt_path, head, target, optim, sched, device) if resume else (0, 0.0, [])
 
     def checkpoint() -> None:
         seconds = seconds_before + (time.perf_counter() - t0)
-        _save(ckpt_path, _checkpoint_state(head, optim, sched, cfg, step, seconds, history))
+        state = _checkpoint_state(head, target, optim, sched, cfg, step, seconds, history)
+        _save(ckpt_path, state)
+        info = {k: state[k] for k in ("method", "head_config", "target", "step")}
+        (out / CHECKPOINT_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
     def run_eval() -> EvalResult | None:
         return _run_eval(head, target, held_out, cfg, step, history, out)
@@ -249,7 +258,7 @@ def train(
     deadline = None if cfg.max_minutes is None else t0 + 60 * cfg.max_minutes
     plans: dict[int, list] = {}
     steps_per_epoch = len(data.epoch_plan(0, cfg.batch_size, cfg.seed))
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"training {head.method}", unit="step", disable=None)
+    bar = progress(total=cfg.steps, initial=step, desc=f"training {head.method}", unit="step")
     last_loss, last_eval = None, None
     if eval_first and step == 0:
         run_eval()
@@ -306,15 +315,23 @@ def _prepare(head: DraftHead, target: TargetParts, cfg: TrainConfig, device: tor
     return target, params, optim, sched
 
 
-def _resume(ckpt_path: Path, head: DraftHead, optim, sched, device: torch.device) -> tuple[int, float, list[dict]]:
+def _resume(ckpt_path: Path, head: DraftHead, target: TargetParts, optim, sched,
+            device: torch.device) -> tuple[int, float, list[dict]]:
     """Restore head, optimiser, schedule and RNG states from the checkpoint; (step, seconds, history)."""
     if not ckpt_path.exists():
         raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; start without --resume")
     try:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-    except (RuntimeError, EOFError, OSError) as err:  # torch's reader on a truncated or damaged file
-        raise ValueError(f"--resume: {ckpt_path} cannot be read ({str(err).splitlines()[0]}): the checkpoint is "
-                         "damaged; start again without --resume into another --out") from None
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:  # damaged, or not torch's
+        ckpt = err
+    if isinstance(ckpt, Exception) or not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
+        why = f" ({str(ckpt).splitlines()[0]})" if isinstance(ckpt, Exception) and str(ckpt) else ""
+        raise ValueError(f"--resume: {ckpt_path} cannot be read{why}: the checkpoint is damaged; start again "
+                         "without --resume into another --out") from None
+    trained_for = ckpt.get("target", {}).get("model_name")  # checkpoints before 2026-12-07 do not say
+    if trained_for is not None and trained_for != target.model_name:
+        raise ValueError(f"--resume: {ckpt_path} trains a head for {trained_for!r}, not for {target.model_name!r}; "
+                         f"resume with --target {trained_for}, or train into another --out")
     if ckpt["method"] != head.method or ckpt["head_config"] != head.config_dict():
         raise ValueError(
             f"{ckpt_path} holds a {ckpt['method']} head {ckpt['head_config']}, not {head.method} "
@@ -327,10 +344,21 @@ def _resume(ckpt_path: Path, head: DraftHead, optim, sched, device: torch.device
     return ckpt["step"], ckpt["seconds"], ckpt["history"]
 
 
-def _checkpoint_state(head: DraftHead, optim, sched, cfg: TrainConfig, step: int, seconds: float,
-                      history: list[dict]) -> dict:
+CHECKPOINT_KEYS = {"method", "head_config", "head", "optim", "sched", "step", "seconds", "history", "rng"}
+
+
+def target_record(target: TargetParts) -> dict:
+    """The target a run trains for: its name and shapes (as an exported head.json names it)."""
+    cfg = target.config
+    return {"model_name": target.model_name, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "num_layers": cfg.num_layers}
+
+
+def _checkpoint_state(head: DraftHead, target: TargetParts, optim, sched, cfg: TrainConfig, step: int,
+                      seconds: float, history: list[dict]) -> dict:
     return {
-        "method": head.method, "head_config": head.config_dict(), "head": head.state_dict(),
+        "method": head.method, "head_config": head.config_dict(), "target": target_record(target),
+        "head": head.state_dict(),
         "optim": optim.state_dict(), "sched": sched.state_dict(), "step": step,
         "seconds": seconds, "history": history, "rng": _rng_state(),
         "train_config": asdict(cfg),

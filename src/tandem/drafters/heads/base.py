@@ -247,6 +247,12 @@ class DraftHead(nn.Module):
         """Size of a reduced draft vocabulary, None when the head drafts over the target's."""
         return None
 
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """The most tokens one draft of this head can hold (medusa's heads, mtp's modules, a
+        block's drafts); None when it drafts autoregressively as far as asked."""
+        return None
+
 
 # ---- loss and accuracy helpers shared by the heads -----------------------------------------------
 

@@ -216,6 +216,10 @@ class DFlashHead(FusedLayersVocab, DraftHead):
                 metrics[f"top1_pos{pos}"] = float(hits[sel].mean())
         return loss, metrics
 
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.block_size - 1
+
     @torch.no_grad()
     def draft_accuracy(self, batch: TrainBatch, target: TargetParts, k: int) -> torch.Tensor:
         if k > self.block_size - 1:

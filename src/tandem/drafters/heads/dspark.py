@@ -199,6 +199,10 @@ class DSparkHead(DFlashHead):
             inside[:, s] = valid
         return correct, conf, inside
 
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.block_size
+
     @torch.no_grad()
     def draft_accuracy(self, batch: TrainBatch, target: TargetParts, k: int) -> torch.Tensor:
         """As DraftHead's; positions past the block are never drafted, so they count as misses."""

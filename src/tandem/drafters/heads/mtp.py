@@ -122,6 +122,10 @@ class MTPHead(DraftHead):
         metrics["loss"] = float(loss.detach())
         return loss, metrics
 
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.depth
+
     @torch.no_grad()
     def draft_accuracy(self, batch: TrainBatch, target: TargetParts, k: int) -> torch.Tensor:
         greedy = target_argmax(batch, target)
