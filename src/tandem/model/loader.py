@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from tqdm.auto import tqdm
 
 from tandem.model.arch import ModelConfig, model_config_from_hf
 from tandem.model.catalogue import ModelNotFoundError, ModelSource, resolve_model
@@ -32,6 +31,7 @@ from tandem.model.libc import trim_heap
 from tandem.model.quant import DenseLinear, quantize_linear
 from tandem.model.transformer import TransformerLM
 from tandem.paths import save_safetensors
+from tandem.progress import progress
 
 log = logging.getLogger("tandem.loader")
 
@@ -249,5 +249,5 @@ def return_freed_memory() -> None:
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, desc: str = "building model") -> TransformerLM:
-    bar = partial(tqdm, desc=desc, unit="layer", leave=False, disable=None)
+    bar = partial(progress, desc=desc, unit="layer", leave=False)
     return TransformerLM(cfg, weights, dtype, progress=bar).eval()
