@@ -364,6 +364,67 @@ def test_streams_read_in_turn_and_a_generate_between_reads_lose_no_text(algorith
     assert text == want[2] and not llm.engine.has_work()
 
 
+@pytest.mark.parametrize("algorithm", [None, "suffix"])
+def test_threads_sharing_one_llm_get_their_own_answers(algorithm):
+    """generate and stream called from several threads at once on one LLM: every call gets what
+    it gets alone (greedy), none hangs, and the engine is empty afterwards."""
+    import threading
+
+    llm = make_llm(spec=SpecConfig(algorithm=algorithm, num_draft_tokens=4))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    texts = [o.text for o in llm.generate(PROMPTS, params)]
+    got, errors = {}, []
+
+    def work(name, calls):
+        try:
+            for i in range(calls):
+                if name == "stream":
+                    got.setdefault(name, []).append("".join(llm.stream(PROMPTS[i % 3], params)))
+                else:
+                    got.setdefault(name, []).append([o.token_ids for o in llm.generate(PROMPTS, params)])
+        except Exception as err:  # reported below, with the thread's name
+            errors.append((name, err))
+
+    threads = [threading.Thread(target=work, args=(name, 6), daemon=True) for name in ("a", "b", "stream")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert got["a"] == got["b"] == [want] * 6
+    assert got["stream"] == [texts[i % 3] for i in range(6)]
+    assert not llm.engine.has_work()
+
+
+def test_library_arguments_of_the_wrong_kind_are_named():
+    llm = make_llm()
+    for prompts, message in ((None, "got NoneType"), (5, "got int"), (b"1 2", "got bytes"),
+                             ({"a": 1}, "got dict"), (["1 2", None], "got NoneType")):
+        with pytest.raises(TypeError, match=message):
+            llm.generate(prompts)
+    with pytest.raises(TypeError, match="sampling_params is a SamplingParams"):
+        llm.generate(PROMPTS[0], {"temperature": 0})
+    with pytest.raises(ValueError, match="chat=True"):
+        llm.generate(PROMPTS[0], chat=True)
+    with pytest.raises(ValueError, match="not a token id"):
+        llm.generate([True, 5, 6])
+    with pytest.raises(TypeError, match="stream takes one prompt"):
+        next(llm.stream([PROMPTS[0], PROMPTS[1]]))
+    with pytest.raises(ValueError, match="seed must be in"):
+        SamplingParams(seed=2**64)
+    SamplingParams(seed=2**64 - 1), SamplingParams(seed=-(2**63))
+    with pytest.raises(TypeError, match="ignore_eos must be True or False"):
+        SamplingParams(ignore_eos="yes")
+    with pytest.raises(TypeError, match="structured_output must be a StructuredOutput"):
+        SamplingParams(structured_output="json")
+    with pytest.raises(TypeError, match="max_model_len must be an integer"):
+        EngineConfig(max_model_len="2048")
+    with pytest.raises(TypeError, match="enable_prefix_caching must be True or False"):
+        EngineConfig(enable_prefix_caching="no")
+    assert not llm.engine.has_work() and llm.generate(PROMPTS[0], SamplingParams(max_tokens=2))[0].token_ids
+
+
 @pytest.mark.parametrize("field, value", [("seed", "x"), ("stop", [1, 2]), ("max_tokens", 2.5), ("top_k", 1.5),
                                           ("max_tokens", True), ("stop_token_ids", (-1,)), ("top_k", 2**63)])
 def test_sampling_params_refuse_values_of_the_wrong_kind(field, value):

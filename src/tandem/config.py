@@ -74,6 +74,7 @@ class StructuredOutput:
 # The largest top_k taken: any k past the vocabulary keeps every token, so a larger one means
 # nothing, and one past 2**63 did not even fit the int64 tensors the engine samples with.
 MAX_TOP_K = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes (a negative seed wraps)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,14 @@ class SamplingParams:
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
                 required = name in ('top_k', 'max_tokens', 'min_tokens')
                 raise TypeError(f"{name} must be an integer{'' if required else ' or None'}, got {value!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (64 bits), got {self.seed}")
+        for name in ("ignore_eos", "token_origins"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise TypeError("structured_output must be a StructuredOutput (e.g. StructuredOutput(regex=...)), got "
+                            f"{self.structured_output!r}")
         if any(isinstance(t, bool) or not isinstance(t, Integral) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
@@ -356,6 +365,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "threads", "max_total_tokens", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if value is not None and not _integer(value):
+                optional = name in ("threads", "max_total_tokens")
+                raise TypeError(f"{name} must be an integer{' or None' if optional else ''}, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.spec, SpecConfig):
+            raise TypeError(f"spec must be a SpecConfig, got {type(self.spec).__name__}")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.device not in DEVICES:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 from collections.abc import Iterator
+from numbers import Integral
 
 import torch
 
@@ -35,6 +37,16 @@ def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = N
     extra = {"tools": tools} if tools else {}
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _prompt_list(prompts) -> list:
+    """generate's prompts as a list of prompts (each a string or token ids)."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], Integral)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts are a string, token ids, or a list of either; got {type(prompts).__name__}")
+    return list(prompts)
 
 
 class LLM:
@@ -92,6 +104,7 @@ class LLM:
         curve = cost_curve_for(self.loaded, device, threads) if spec.needs_cost_curve else None
         self.engine = Engine(self.loaded, self.config, cost_curve=curve)
         self._unread: dict[str, list[str]] = {}  # streamed requests' text not yet yielded (_step)
+        self._lock = threading.Lock()  # the engine's: adding, stepping and aborting requests
         # Loading leaves millions of long-lived objects; keep the cyclic GC from rescanning them
         # in the middle of decoding (measured 100+ ms pauses).
         gc.collect()
@@ -105,12 +118,17 @@ class LLM:
         self = cls.__new__(cls)
         self.config, self.loaded, self.tokenizer = config, loaded, loaded.tokenizer
         self.engine = Engine(loaded, config, cost_curve=cost_curve)
-        self._unread = {}
+        self._unread, self._lock = {}, threading.Lock()
         return self
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if isinstance(prompt, list):
+        if isinstance(prompt, (list, tuple)):
+            if chat:
+                raise ValueError("chat=True puts a text prompt in the chat template; these are token ids (give "
+                                 "the text, or the template's ids with chat=False)")
             return list(prompt)
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if chat:
             if self.tokenizer.chat_template is None:
                 raise ValueError(f"{self.loaded.name} has no chat template; send a plain prompt")
@@ -124,17 +142,20 @@ class LLM:
         *,
         chat: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; all prompts run together, batched by the engine."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        """Generate for every prompt; all prompts run together, batched by the engine. Calls
+        from several threads are served together too (each step serves every call's requests)."""
+        prompts = _prompt_list(prompts)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if not all(isinstance(sp, SamplingParams) for sp in params_list):
+            raise TypeError("sampling_params is a SamplingParams or a list of them (one per prompt)")
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        ids = [self.encode(p, chat) for p in prompts]
         requests = []
         try:
-            for p, sp in zip(prompts, params_list):
-                requests.append(self.engine.add_request(self.encode(p, chat), sp))
+            for prompt_ids, sp in zip(ids, params_list):
+                requests.append(self._add(prompt_ids, sp))
             while not all(r.finished for r in requests):
                 self._step()
         except BaseException:  # an error or an interrupt: nothing of this call stays in the engine
@@ -142,25 +163,40 @@ class LLM:
             raise
         return [r.output() for r in requests]
 
+    def _add(self, prompt_ids: list[int], params: SamplingParams, streamed: bool = False) -> Request:
+        """Add a request (a streamed one with its unread text, before any step can commit to it)."""
+        with self._lock:
+            req = self.engine.add_request(prompt_ids, params)
+            if streamed:
+                self._unread[req.request_id] = []
+            return req
+
     def _step(self) -> None:
         """One engine step; the text it commits for requests being streamed waits for their
-        generators (several may be open, and a `generate` may run between their reads)."""
-        for update in self.engine.step():
-            unread = self._unread.get(update.request.request_id)
-            if unread is not None and update.new_text:
-                unread.append(update.new_text)
+        generators (several may be open, and a `generate` may run between their reads). The
+        engine is one: a thread steps it under the lock, for every thread's requests."""
+        with self._lock:
+            for update in self.engine.step():
+                unread = self._unread.get(update.request.request_id)
+                if unread is not None and update.new_text:
+                    unread.append(update.new_text)
 
     def _abort(self, requests: list[Request]) -> None:
-        for req in requests:
-            if not req.finished:
-                self.engine.abort(req.request_id)
+        with self._lock:
+            for req in requests:
+                if not req.finished:
+                    self.engine.abort(req.request_id)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[str]:
         """Yield text pieces as they are committed; the finished request stays in `last_output`.
         Several streams may be read in turn, and `generate` called between reads: each stream
         keeps its own text until it is read."""
-        req = self.engine.add_request(self.encode(prompt, chat), params or SamplingParams())
-        unread = self._unread[req.request_id] = []
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], Integral):
+            raise TypeError("stream takes one prompt (a string or token ids); generate takes several")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params is a SamplingParams, got {type(params).__name__}")
+        req = self._add(self.encode(prompt, chat), params or SamplingParams(), streamed=True)
+        unread = self._unread[req.request_id]
         try:
             while unread or not req.finished:
                 if not unread:

@@ -82,7 +82,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         vocab = self.loaded.config.vocab_size
         for what, ids in (("the prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if not (isinstance(t, Integral) and 0 <= t < vocab)]
+            bad = [t for t in ids if isinstance(t, bool) or not (isinstance(t, Integral) and 0 <= t < vocab)]
             if bad:
                 raise ValueError(f"{what} holds {bad[0]!r}, which is not a token id of the vocabulary [0, {vocab})")
         budget = self.config.max_model_len - len(prompt_ids)

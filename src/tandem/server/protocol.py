@@ -23,11 +23,11 @@ from pydantic import (
     model_validator,
 )
 
-from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS, MAX_TOP_K, StructuredOutput
+from tandem.config import GREEDY_TEMPERATURE, MAX_LOGPROBS, MAX_TOP_K, SEED_RANGE, StructuredOutput
 
 MAX_N = 16
 MAX_STOP = 8
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+SEED_MIN, SEED_MAX = SEED_RANGE
 # Fields OpenAI defines that tandem does not implement: a request asking for them gets a 400
 # naming the field instead of a silently different answer.
 UNSUPPORTED = {
