@@ -164,6 +164,86 @@ def test_a_mode_names_its_policy_and_may_name_its_drafter():
         mode_flags("adaptive:suffix@k=3")
     with pytest.raises(ValueError, match="POLICY"):
         mode_flags("greedy:dspark")
+    with pytest.raises(ValueError, match="unknown speculative algorithm 'bogus'"):
+        mode_flags("fixed:bogus")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "soak", "--concurrency", "0"], "--concurrency: must be >= 1, got 0"),
+    (["bench", "soak", "--requests", "0"], "--requests: must be >= 1"),
+    (["bench", "soak", "--cancel-share", "1.5"], "--cancel-share: must be in [0, 1], got 1.5"),
+    (["bench", "serve", "--concurrency", "0"], "--concurrency: must be >= 1"),
+    (["bench", "serve", "--max-tokens", "0"], "--max-tokens: must be >= 1"),
+    (["bench", "serve", "--temperature", "-1"], "--temperature: must be in [0, 2]"),
+    (["bench", "serve", "--top-p", "5"], "--top-p: must be in (0, 1]"),
+    (["bench", "serve", "--alternations", "0"], "--alternations: must be >= 1"),
+    (["bench", "serve", "--modes", "fixed:bogus"], "--modes: invalid"),
+    (["bench", "replicas", "--concurrency", "0"], "--concurrency: must be >= 1"),
+    (["bench", "burst", "--burst", "0"], "--burst: must be >= 1"),
+    (["bench", "burst", "--running", "-1"], "--running: must be >= 0"),
+    (["bench", "agent", "--turns", "0"], "--turns: must be >= 1"),
+    (["bench", "base", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+    (["bench", "base", "--threads", "0"], "--threads: must be >= 1"),
+])
+def test_bench_sizes_that_cannot_work_are_refused_while_parsing(argv, message, capsys):
+    """Zero or negative sizes and shares out of range: refused before any server starts (they
+    used to run, or pass, with nothing measured)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_checks_that_need_more_than_one_flag_come_before_any_work(monkeypatch, capsys):
+    import tandem.bench.base as base_module
+    import tandem.bench.serve as serve_module
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr(serve_module, "bench_serve", no_work)
+    assert main(["bench", "serve", "--top-p", "0.5"]) == 2  # greedy answers ignore it
+    assert "--top-p filters sampling" in capsys.readouterr().err
+    assert main(["bench", "serve", "--algorithm", "bogus"]) == 2
+    assert "unknown speculative algorithm 'bogus'" in capsys.readouterr().err
+    monkeypatch.setattr(base_module, "kernel_report", no_work)
+    monkeypatch.setattr(base_module, "run_transformers", no_work)
+    assert main(["bench", "base", "--configs", "bogus/none"]) == 2
+    assert "--configs 'bogus/none'" in capsys.readouterr().err
+
+
+def test_bench_serve_fails_when_requests_failed(monkeypatch, capsys):
+    import tandem.bench.serve as serve_module
+
+    report = {"levels": {"1": {"off": {"errors": 4}}}, "identity": {}}
+    monkeypatch.setattr(serve_module, "bench_serve", lambda args: report)
+    assert main(["bench", "serve", "--modes", "off"]) == 1
+    assert "4 requests failed" in capsys.readouterr().err
+    report["levels"]["1"]["off"]["errors"] = 0
+    assert main(["bench", "serve", "--modes", "off"]) == 0
+
+
+def test_a_server_interrupted_while_starting_is_stopped(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    import httpx
+
+    import tandem.bench.server_process as server_process
+
+    started, popen = [], subprocess.Popen
+
+    def sleeper(cmd, **kwargs):
+        started.append(popen([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs))
+        return started[-1]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server_process.subprocess, "Popen", sleeper)
+    monkeypatch.setattr(httpx, "get", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server_process.start_server("m", [], tmp_path / "server.log", "test")
+    assert started[0].poll() is not None  # stopped, not left behind
 
 
 def test_bench_burst_against_a_running_server(servers, tmp_path, capsys):

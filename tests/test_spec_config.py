@@ -132,3 +132,24 @@ def test_a_json_schema_flag_that_is_neither_a_file_nor_json_says_so(tmp_path):
     assert structured_output_from_args(args).json == '{"type": "object"}'
     args.json_schema = ' {"type": "integer"}'
     assert structured_output_from_args(args).json == ' {"type": "integer"}'
+
+
+def test_serve_refuses_what_it_would_ignore_and_names_its_flags():
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    with pytest.raises(ValueError, match="no drafter runs"):
+        configs_from_args(p.parse_args(["--speculative-algorithm", "none", "--speculative-draft-model-path", "/x"]))
+    with pytest.raises(ValueError, match="^--max-running-requests must be >= 1"):
+        configs_from_args(p.parse_args(["--max-running-requests", "0"]))
+    with pytest.raises(ValueError, match="^--drain-timeout"):
+        configs_from_args(p.parse_args(["--drain-timeout", "-1"]))
+
+
+def test_a_kv_budget_past_every_row_full_is_every_row_full():
+    from conftest import tiny_loaded
+    from tandem.model.kv_cache import KVCache
+
+    _, loaded = tiny_loaded("llama")
+    cache = KVCache(loaded.config, 4, 64, loaded.dtype)
+    assert cache.token_budget(0.5, 999_999_999) == 4 * 64 and cache.token_budget(0.5, 100) == 100
+

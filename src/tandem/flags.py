@@ -67,6 +67,37 @@ def add_spec_args(p: argparse.ArgumentParser,
                         "(drafters that report confidences; 0: never)")
 
 
+def at_least(minimum: int):
+    """An argparse type: an integer >= minimum (a bad value is refused while parsing, before any
+    model loads or server starts)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def number_in(low: float, high: float, low_open: bool = False):
+    """An argparse type: a finite number in [low, high] ((low, high] where low_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (low < value <= high if low_open else low <= value <= high):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--min-new-tokens", type=int, default=0,
@@ -143,5 +174,8 @@ def spec_from_args(args: argparse.Namespace, algorithm: str | None, default_poli
     `default_policy` (None: SpecConfig's)."""
     if algorithm is not None and algorithm.lower() in NO_SPECULATION:
         algorithm = None  # before drafter_policy, which looks the drafter up
+    if algorithm is None and getattr(args, "speculative_draft_model_path", None):
+        raise ValueError("--speculative-draft-model-path names a drafter's files, and no drafter runs "
+                         "(--speculative-algorithm is none or not given): drop the path, or name the drafter")
     policy = args.speculative_policy or drafter_policy(algorithm) or default_policy
     return SpecConfig.from_prefixed({**vars(args), "speculative_algorithm": algorithm, "speculative_policy": policy})

@@ -99,7 +99,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                                "default: start a Ray here)")
 
 
+# The config fields `tandem serve` sets from a flag of another name: their errors name the flag.
+FIELD_FLAGS = {"max_num_seqs": "--max-running-requests", "drain_timeout_s": "--drain-timeout",
+               "request_read_timeout_s": "--request-read-timeout", "max_model_len": "--max-model-len",
+               "max_total_tokens": "--max-total-tokens", "mem_fraction_static": "--mem-fraction-static",
+               "chunked_prefill_size": "--chunked-prefill-size", "max_queued_requests": "--max-queued-requests",
+               "max_request_bytes": "--max-request-bytes", "max_request_header_bytes": "--max-request-header-bytes",
+               "threads": "--threads", "port": "--port"}
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    try:
+        return _configs_from_args(args)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        field = message.split(" ", 1)[0]
+        if field in FIELD_FLAGS:
+            message = FIELD_FLAGS[field] + message[len(field):]
+        raise type(err)(message) from None
+
+
+def _configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     algorithm = args.speculative_algorithm
     if algorithm is None:
         algorithm = DEFAULT_DRAFTERS.get(builtin_name(args.model))

@@ -25,6 +25,7 @@ from tandem.bench.server_process import (
 )
 from tandem.bench.spec import machine_info
 from tandem.bench.steal import StealMeter
+from tandem.flags import at_least
 from tandem.model.catalogue import DEFAULT_MODEL
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "spec_bench_question.jsonl"
@@ -130,10 +131,10 @@ def add_agent_bench_parser(kinds) -> None:
     p = kinds.add_parser("agent", help="an agent-style conversation: TTFT per turn with the prefix cache on and off")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--server-flags", default="", help="`tandem serve` flags for both servers")
-    p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--tool-chars", type=int, default=400,
+    p.add_argument("--turns", type=at_least(1), default=10)
+    p.add_argument("--tool-chars", type=at_least(0), default=400,
                    help="characters of each tool output (10 turns of 400 fit SmolLM2's 2048-token context)")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=at_least(1), default=48)
     p.add_argument("--out", default="results/serve/bench_agent.json")
     p.set_defaults(func=_run)
 

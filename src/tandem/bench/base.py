@@ -27,7 +27,7 @@ from tandem.bench.plots import stamp_machine
 from tandem.bench.prompts import spec_bench_prompts
 from tandem.bench.spec import machine_info, machine_line
 from tandem.bench.steal import StealMeter, steal_notice
-from tandem.config import SamplingParams
+from tandem.config import DTYPES, QUANTIZATIONS, SamplingParams
 from tandem.llm import LLM
 from tandem.model.kernels import kernel_description
 from tandem.model.cost import CONTEXT_FOR_CURVE, CURVE_SIZES, fastest_of, forward_cost_curve
@@ -182,6 +182,11 @@ def _llamacpp_tokens_per_second(gguf_path: str, prompts: list[str], max_new: int
 def bench_base(args) -> dict:
     if args.cpu_time and args.threads != 1:
         raise ValueError("--cpu-time measures one thread: run it with --threads 1")
+    configs = [config.split("/", 1) if "/" in config else ("auto", config) for config in args.configs]
+    for (dtype, quant), config in zip(configs, args.configs):  # before minutes of the other runs
+        if dtype not in ("auto",) + DTYPES or quant not in QUANTIZATIONS:
+            raise ValueError(f"--configs {config!r}: give DTYPE/QUANTIZATION or QUANTIZATION, DTYPE in "
+                             f"{('auto',) + DTYPES}, QUANTIZATION in {QUANTIZATIONS}")
     use_cpu_clock(args.cpu_time)
     steal = StealMeter()
     prompts = [p.text for p in spec_bench_prompts(per_category=1)][: args.num_prompts]
@@ -196,8 +201,7 @@ def bench_base(args) -> dict:
     if not args.skip_transformers:
         results.append(run_transformers(args.model, prompts, args.max_new_tokens))
         gc.collect()
-    for config in args.configs:
-        dtype, quant = config.split("/") if "/" in config else ("auto", config)
+    for dtype, quant in configs:
         results.append(run_tandem(args.model, dtype, quant, prompts, args.max_new_tokens, args.threads))
         gc.collect()
     lcpp, why = run_llamacpp(args.model, prompts, args.max_new_tokens, args.threads, args.cpu_time)

@@ -34,6 +34,7 @@ from tandem.bench.server_process import (
 )
 from tandem.bench.spec import machine_info
 from tandem.bench.steal import StealMeter
+from tandem.flags import at_least, number_in
 from tandem.model.catalogue import DEFAULT_MODEL
 
 QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "mt_bench_question.jsonl"
@@ -204,12 +205,12 @@ def add_burst_bench_parser(kinds) -> None:
                         "'' '--max-running-requests 8 --chunked-prefill-size 0'")
     p.add_argument("--url", action="append", default=[],
                    help="an already running server instead (repeatable; http://host:port, with or without /v1)")
-    p.add_argument("--burst", type=int, default=32, help="simultaneous new requests (MT-Bench questions)")
+    p.add_argument("--burst", type=at_least(1), default=32, help="simultaneous new requests (MT-Bench questions)")
     p.add_argument("--prompts-file", default=None, help="the burst's prompts (.jsonl or one per line; default MT-Bench)")
-    p.add_argument("--running", type=int, default=4, help="long streams running before the burst")
-    p.add_argument("--unloaded-seconds", type=float, default=2.0, help="how long they run alone first")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--running-max-tokens", type=int, default=1000, help="what the running streams ask for")
+    p.add_argument("--running", type=at_least(0), default=4, help="long streams running before the burst")
+    p.add_argument("--unloaded-seconds", type=number_in(0, 3600), default=2.0, help="how long they run alone first")
+    p.add_argument("--max-tokens", type=at_least(1), default=64)
+    p.add_argument("--running-max-tokens", type=at_least(1), default=1000, help="what the running streams ask for")
     p.add_argument("--out", default="results/serve/bench_burst.json")
     p.set_defaults(func=_run)
 

@@ -6,8 +6,8 @@ import argparse
 
 from tandem.bench.agent import add_agent_bench_parser
 from tandem.bench.base import bench_base
-from tandem.bench.prompts import SPEC_BENCH_SUBTASKS
 from tandem.bench.burst import add_burst_bench_parser
+from tandem.bench.prompts import SPEC_BENCH_SUBTASKS
 from tandem.bench.replicas import add_replicas_bench_parser
 from tandem.bench.results_doc import results_command
 from tandem.bench.serve import add_serve_bench_parser
@@ -15,6 +15,7 @@ from tandem.bench.soak import add_soak_bench_parser
 from tandem.bench.spec_merge import merge_command
 from tandem.bench.spec_report import bench_spec
 from tandem.config import DTYPES, QUANTIZATIONS
+from tandem.flags import at_least
 from tandem.llm import configure_threads
 from tandem.model.catalogue import DEFAULT_MODEL
 
@@ -38,9 +39,9 @@ def _add_base_parser(kinds) -> None:
     base.add_argument("--model", default=DEFAULT_MODEL)
     base.add_argument("--configs", nargs="+", default=["float32/none", "bfloat16/none", "bfloat16/int8", "bfloat16/int4", "bfloat16/native", "int8", "int4", "native"],
                       help="DTYPE/QUANTIZATION pairs (or a quantization alone)")
-    base.add_argument("--num-prompts", type=int, default=6)
-    base.add_argument("--max-new-tokens", type=int, default=64)
-    base.add_argument("--threads", type=int, default=None)
+    base.add_argument("--num-prompts", type=at_least(1), default=6)
+    base.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    base.add_argument("--threads", type=at_least(1), default=None)
     base.add_argument("--skip-transformers", action="store_true")
     base.add_argument("--skip-kernel-report", action="store_true",
                       help="skip the kernel section (bandwidth, int8 peak, floor, decode step, cost curve, bf16 reference)")

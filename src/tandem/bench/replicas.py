@@ -21,6 +21,7 @@ from tandem.bench.serve import SPEEDUP_DEFINITION, WARMUP_PROMPT, run_level, sum
 from tandem.bench.server_process import start_with_flags, stop_server, write_report
 from tandem.bench.spec import machine_info
 from tandem.bench.steal import StealMeter
+from tandem.flags import at_least
 from tandem.model.catalogue import DEFAULT_MODEL
 
 # The in-process server first (the reference), then Ray Serve layouts of a 2-core machine.
@@ -90,10 +91,10 @@ def add_replicas_bench_parser(kinds) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--server-flags", nargs="+", default=DEFAULT_LAYOUTS,
                    help="one `tandem serve` flag string per server, launched in turn (the first is the reference)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--requests-per-user", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=80, help="Spec-Bench prompts, round-robin over subtasks")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=at_least(1), nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests-per-user", type=at_least(1), default=2)
+    p.add_argument("--num-prompts", type=at_least(1), default=80, help="Spec-Bench prompts, round-robin over subtasks")
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
     p.add_argument("--out", default="results/serve/bench_ray.json")
     p.add_argument("--log-dir", default="results/tmp", help="where the servers' logs go (scratch)")
     p.set_defaults(func=_run)

@@ -17,6 +17,7 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ from tandem.bench.server_process import (
 )
 from tandem.bench.spec import machine_info
 from tandem.bench.steal import StealMeter, steal_notice
+from tandem.drafters import check_algorithm_name
+from tandem.flags import at_least, number_in
 from tandem.launch_server import SERVE_MAX_RUNNING_REQUESTS
 from tandem.model.catalogue import DEFAULT_MODEL
 from tandem.progress import progress
@@ -58,6 +61,8 @@ def mode_flags(mode: str) -> list[str]:
     if policy not in POLICY_MODES:
         raise ValueError(f"a mode is off or POLICY[:ALGORITHM][@OPTION=0|1] with POLICY in {POLICY_MODES}, "
                          f"got {mode!r}")
+    if algorithm:
+        check_algorithm_name(algorithm)
     flags = ["--speculative-policy", policy] + (["--speculative-algorithm", algorithm] if algorithm else [])
     for option in options:
         key, _, value = option.partition("=")
@@ -437,34 +442,34 @@ def add_serve_bench_parser(kinds) -> None:
     p = kinds.add_parser("serve", help="concurrency sweep against the server: speculation adaptive / fixed / off")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--algorithm", default=None, help="drafter (default: the model's default drafter)")
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--num-draft-tokens", type=at_least(1), default=4)
     p.add_argument("--modes", nargs="+", default=list(MODES), type=checked_mode,
                    help="off, or POLICY[:ALGORITHM] with POLICY adaptive, fixed or confidence and a drafter of the "
                         "mode's own (default --algorithm), e.g. confidence:dspark fixed:dspark adaptive:eagle3 off")
     p.add_argument("--url", action="append", default=[],
                    help="MODE=URL of an already running server for that mode (repeatable); other modes are launched")
     p.add_argument("--served-model", default=None, help="model id the given servers expect (default: --model)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--requests-per-user", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=80,
+    p.add_argument("--concurrency", type=at_least(1), nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--requests-per-user", type=at_least(1), default=2)
+    p.add_argument("--num-prompts", type=at_least(1), default=80,
                    help="Spec-Bench prompts, round-robin over subtasks; each level takes fresh ones")
     p.add_argument("--categories", nargs="+", default=None, choices=SPEC_BENCH_SUBTASKS, metavar="SUBTASK",
                    help=f"Spec-Bench subtasks to draw from ({' '.join(SPEC_BENCH_SUBTASKS)})")
     p.add_argument("--prompts-file", default=None, help="your own prompts (.jsonl or one per line)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
+    p.add_argument("--temperature", type=number_in(0, 2), default=0.0,
                    help="0: greedy, every mode's answers compared with off's; > 0: sampled with a seed per request "
                         "(no identity check: `tandem audit` checks exactness under sampling)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
-    p.add_argument("--alternations", type=int, default=1,
+    p.add_argument("--top-p", type=number_in(0, 1, low_open=True), default=1.0, help="with --temperature > 0")
+    p.add_argument("--alternations", type=at_least(1), default=1,
                    help="split each level's requests into this many slices and run the modes in turn on each "
                         "(rotating which goes first): on a noisy machine every mode then sees the same drift")
-    p.add_argument("--max-running-requests", type=int, default=SERVE_MAX_RUNNING_REQUESTS,
+    p.add_argument("--max-running-requests", type=at_least(1), default=SERVE_MAX_RUNNING_REQUESTS,
                    help="launched servers' running slots (default: tandem serve's)")
     p.add_argument("--note", default=None,
                    help="what the report should say about this run (e.g. which build a --url server runs)")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-model-len", type=at_least(16), default=2048)
+    p.add_argument("--threads", type=at_least(1), default=None)
     p.add_argument("--reprofile", action="store_true", help="re-measure the adaptive server's cost curve")
     p.add_argument("--out", default="results/serve/bench_serve.json")
     p.add_argument("--plot", default=None, help="the PNG (default: --out with .png; '' for none)")
@@ -472,6 +477,14 @@ def add_serve_bench_parser(kinds) -> None:
 
 
 def _run(args) -> int:
+    if args.top_p != 1.0 and args.temperature == 0:
+        raise ValueError("--top-p filters sampling; it takes --temperature > 0 (greedy answers ignore it)")
+    if args.algorithm:
+        check_algorithm_name(args.algorithm)
     report = bench_serve(args)
-    # A greedy mismatch means speculation changed an answer: a bug, so the exit status says so.
-    return 1 if any(v["mismatches"] for v in report["identity"].values()) else 0
+    # A greedy mismatch means speculation changed an answer, and a failed request leaves a figure
+    # without its answer: either is a failure, which the exit status says.
+    failed = sum(r["errors"] for per in report["levels"].values() for r in per.values())
+    if failed:
+        print(f"{failed} requests failed (the `err` column; the servers' logs say why)", file=sys.stderr)
+    return 1 if failed or any(v["mismatches"] for v in report["identity"].values()) else 0

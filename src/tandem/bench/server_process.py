@@ -39,17 +39,21 @@ def start_server(model: str, server_args: list[str], log_path: Path, label: str)
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + HEALTHY_WITHIN_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {label} server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, f"{url}/v1"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the {label} server did not become healthy in {HEALTHY_WITHIN_S} s; see {log_path}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the {label} server exited with {proc.returncode}; see {log_path}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return proc, f"{url}/v1"
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the {label} server did not become healthy in {HEALTHY_WITHIN_S} s; see {log_path}")
+    except BaseException:  # not healthy, or interrupted while starting: nothing is left running
+        if proc.poll() is None:
+            stop_server(proc)
+        raise
 
 
 def start_with_flags(flags: str, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:

@@ -28,6 +28,7 @@ from tandem.bench.server_process import (
 )
 from tandem.bench.spec import machine_info
 from tandem.bench.steal import StealMeter
+from tandem.flags import at_least, number_in
 from tandem.model.catalogue import DEFAULT_MODEL
 from tandem.progress import progress
 
@@ -208,10 +209,10 @@ def add_soak_bench_parser(kinds) -> None:
     p = kinds.add_parser("soak", help="many mixed requests, some cancelled, then SIGTERM: errors, memory, leaks, drain")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--server-flags", default="", help="`tandem serve` flags")
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--cancel-share", type=float, default=0.1, help="share of requests cancelled mid-stream")
-    p.add_argument("--drain-requests", type=int, default=4, help="requests in flight when SIGTERM arrives")
+    p.add_argument("--requests", type=at_least(1), default=1000)
+    p.add_argument("--concurrency", type=at_least(1), default=16)
+    p.add_argument("--cancel-share", type=number_in(0, 1), default=0.1, help="share of requests cancelled mid-stream")
+    p.add_argument("--drain-requests", type=at_least(0), default=4, help="requests in flight when SIGTERM arrives")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/serve/bench_soak.json")
     p.set_defaults(func=_run)

@@ -7,6 +7,7 @@ from tandem.drafters.base import (  # noqa: F401
     DraftOutcome,
     TargetInfo,
     available_drafters,
+    check_algorithm_name,
     create_drafter,
     register,
 )

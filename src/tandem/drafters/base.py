@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from tandem.config import SamplingParams, SpecConfig
+from tandem.config import NO_SPECULATION, SamplingParams, SpecConfig
 from tandem.drafters import registry
 from tandem.drafters.heads.base import TargetParts
 from tandem.types import Draft
@@ -167,11 +167,15 @@ def available_drafters() -> list[str]:
     return registry.names("drafter")
 
 
+def check_algorithm_name(algorithm: str) -> None:
+    """Refuse a --speculative-algorithm name that is neither a drafter nor none / off."""
+    if algorithm.lower() not in NO_SPECULATION and registry.lookup(algorithm, "drafter") is None:
+        raise ValueError(f"unknown speculative algorithm {algorithm!r}; available: {', '.join(available_drafters())} "
+                         "(or none / off: plain decoding)")
+
+
 def create_drafter(spec: SpecConfig, target: TargetInfo) -> Drafter:
-    cls = registry.lookup(spec.algorithm, "drafter") if spec.algorithm else None
-    if cls is None:
-        raise ValueError(
-            f"unknown speculative algorithm {spec.algorithm!r}; available: {', '.join(available_drafters())} "
-            "(or none / off: plain decoding)"
-        )
-    return cls(spec, target)
+    if not spec.algorithm:
+        raise ValueError("no speculative algorithm to create a drafter for")
+    check_algorithm_name(spec.algorithm)
+    return registry.lookup(spec.algorithm, "drafter")(spec, target)

@@ -12,14 +12,17 @@ paged KV blocks without an indirection in the attention kernels.
 
 from __future__ import annotations
 
-import mmap
+import logging
 import math
+import mmap
 
 import torch
 
 from tandem.config import kv_cache_dtype_name
 from tandem.model.arch import ModelConfig
 from tandem.model.transformer import LayerCache
+
+log = logging.getLogger("tandem.kv_cache")
 
 
 # Slots per block of keys when the cache stores them blocked (KVCache.block_keys).
@@ -160,12 +163,17 @@ class KVCache:
         self._free.append(seq)
 
     def token_budget(self, mem_fraction: float, requested: int | None = None) -> int:
-        """The KV slots all rows may hold together: `requested`, or every row full, capped at
+        """The KV slots all rows may hold together: `requested` (at most every row full; a
+        warning where that is more than the memory available now), or every row full, capped at
         `mem_fraction` of the memory available now (the rows' pages are committed as written)."""
-        if requested is not None:
-            return requested
         full = self.max_seqs * self.max_len
         free = available_memory_bytes(self.k.device)
+        if requested is not None:
+            budget = min(requested, full)
+            if free is not None and budget * self.bytes_per_token > free:
+                log.warning("max_total_tokens %d needs %.0f MB of KV cache; %.0f MB are available now",
+                            budget, budget * self.bytes_per_token / 1e6, free / 1e6)
+            return budget
         if free is None:
             return full
         return max(self.max_len, min(full, int(mem_fraction * free) // self.bytes_per_token))
