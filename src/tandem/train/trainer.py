@@ -323,11 +323,9 @@ def _resume(ckpt_path: Path, head: DraftHead, target: TargetParts, optim, sched,
     try:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:  # damaged, or not torch's
-        ckpt = err
-    if isinstance(ckpt, Exception) or not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
-        why = f" ({str(ckpt).splitlines()[0]})" if isinstance(ckpt, Exception) and str(ckpt) else ""
-        raise ValueError(f"--resume: {ckpt_path} cannot be read{why}: the checkpoint is damaged; start again "
-                         "without --resume into another --out") from None
+        raise _damaged(ckpt_path, str(err).splitlines()[0] if str(err) else None) from None
+    if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
+        raise _damaged(ckpt_path, "not a tandem training checkpoint")
     trained_for = ckpt.get("target", {}).get("model_name")  # checkpoints before 2026-12-07 do not say
     if trained_for is not None and trained_for != target.model_name:
         raise ValueError(f"--resume: {ckpt_path} trains a head for {trained_for!r}, not for {target.model_name!r}; "
@@ -347,7 +345,12 @@ def _resume(ckpt_path: Path, head: DraftHead, target: TargetParts, optim, sched,
 CHECKPOINT_KEYS = {"method", "head_config", "head", "optim", "sched", "step", "seconds", "history", "rng"}
 
 
-def target_record(target: TargetParts) -> dict:
+def _damaged(ckpt_path: Path, why: str | None) -> ValueError:
+    return ValueError(f"--resume: {ckpt_path} cannot be read{f' ({why})' if why else ''}: the checkpoint is "
+                      "damaged; start again without --resume into another --out")
+
+
+def _target_record(target: TargetParts) -> dict:
     """The target a run trains for: its name and shapes (as an exported head.json names it)."""
     cfg = target.config
     return {"model_name": target.model_name, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
@@ -357,7 +360,7 @@ def target_record(target: TargetParts) -> dict:
 def _checkpoint_state(head: DraftHead, target: TargetParts, optim, sched, cfg: TrainConfig, step: int,
                       seconds: float, history: list[dict]) -> dict:
     return {
-        "method": head.method, "head_config": head.config_dict(), "target": target_record(target),
+        "method": head.method, "head_config": head.config_dict(), "target": _target_record(target),
         "head": head.state_dict(),
         "optim": optim.state_dict(), "sched": sched.state_dict(), "step": step,
         "seconds": seconds, "history": history, "rng": _rng_state(),
