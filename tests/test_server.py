@@ -618,6 +618,18 @@ def test_metrics_count_what_responses_report(spec_server):
     name = "tandem:spec_decode_num_forwards_total"
     forwards = metric(after, name) - metric(before, name)
     assert forwards == spec["num_target_forwards"] and round(30 / forwards, 4) == spec["mean_acceptance_length"]
+    # a scored prompt (echo, max_tokens 0) draws a token no answer holds: no generated token, and
+    # `length` as the answer says, even where the draw was EOS
+    before = scrape()
+    r = client(server).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=0, echo=True, temperature=0,
+                                          logit_bias={"2": 100})
+    after = scrape()
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
+    assert metric(after, "tandem:generation_tokens_total") == metric(before, "tandem:generation_tokens_total")
+    for reason, added in (("length", 1), ("stop", 0)):
+        name = "tandem:request_success_total"
+        assert metric(after, name, finished_reason=reason) - metric(before, name, finished_reason=reason) == added
+    assert metric(after, "tandem:prompt_tokens_total") - metric(before, "tandem:prompt_tokens_total") == len(PROMPTS[3])
     # n choices share one prompt: counted once, as usage counts it
     before = scrape()
     r = client(server).completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=4, temperature=0, n=3)

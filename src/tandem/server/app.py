@@ -302,7 +302,8 @@ async def _serve(ctx: ServingContext, body: SamplingFields, prompts: list[list[i
         def finish_label(delta):
             return tool_call_message(body, delta.output.text, delta.finish_reason)[1]
     try:
-        gen = ctx.engine.submit(flat_prompts, flat_params, api_id, prompt_tokens, finish_label)
+        gen = ctx.engine.submit(flat_prompts, flat_params, api_id, prompt_tokens, finish_label,
+                                scoring_only=body.echoes_prompt and body.max_tokens == 0)
     except QueueFullError as err:
         raise APIError(503, str(err), "service_unavailable", code="queue_full") from err
     except EngineStoppedError as err:

@@ -70,9 +70,11 @@ class Generation:
     """Every choice of one API call; iterate for (index, Delta) until all have finished."""
 
     def __init__(self, owner: "AsyncEngine", request_ids: list[str],
-                 finish_label: Callable[[Delta], str] | None = None, prompt_tokens: int = 0) -> None:
+                 finish_label: Callable[[Delta], str] | None = None, prompt_tokens: int = 0,
+                 scoring_only: bool = False) -> None:
         self._owner = owner
         self._finish_label = finish_label
+        self._scoring_only = scoring_only  # echo with max_tokens 0: the token drawn is not the answer's
         self._uncounted_prompt_tokens = prompt_tokens  # counted with the call's first token, as usage counts them
         now = time.perf_counter()
         self.choices = [_Choice(rid, now) for rid in request_ids]
@@ -100,10 +102,11 @@ class Generation:
         now = time.perf_counter()
         metrics = self._owner.metrics
         if delta.token_ids:
-            metrics.generation_tokens.inc(len(delta.token_ids))
             if self._uncounted_prompt_tokens:
                 metrics.prompt_tokens.inc(self._uncounted_prompt_tokens)
                 self._uncounted_prompt_tokens = 0
+        if delta.token_ids and not self._scoring_only:
+            metrics.generation_tokens.inc(len(delta.token_ids))
             if choice.first_token is None:
                 choice.first_token = now
                 metrics.time_to_first_token.observe(now - choice.arrival)
@@ -118,7 +121,7 @@ class Generation:
             choice.last_token = now
         if delta.finish_reason is not None:
             choice.done = True
-            reason = delta.finish_reason
+            reason = "length" if self._scoring_only else delta.finish_reason  # as the answer reports it
             if self._finish_label is not None and delta.output is not None:
                 reason = self._finish_label(delta)
             self._owner.finish(reason, delta.output, now - choice.arrival)
@@ -190,12 +193,15 @@ class AsyncEngine:
         return self._accepting and self._thread is not None and self._thread.is_alive()
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str, prompt_tokens: int,
-               finish_label: Callable[[Delta], str] | None = None) -> Generation:
+               finish_label: Callable[[Delta], str] | None = None, scoring_only: bool = False) -> Generation:
         """Queue one API call's choices (all or none); raises QueueFullError / EngineStoppedError.
         prompt_tokens: what the call's usage counts (each prompt once, however many choices share
         it); finish_label: the finish reason the answer reports for a choice's last delta, where
         it is not the engine's (a tool call's `tool_calls`), for the request counter. The prompt
-        tokens count once a choice has a token: a call cancelled or refused before has no usage."""
+        tokens count once a choice has a token: a call cancelled or refused before has no usage.
+        scoring_only: the call scores its prompts (echo, max_tokens 0): the one token each choice
+        draws is not an answer's, so it counts as no generated token and the choice as `length`,
+        as the response reports them."""
         if not self.healthy:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         if self.in_flight + len(prompts) > self.capacity:
@@ -205,7 +211,7 @@ class AsyncEngine:
                 "retry later"
             )
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        gen = Generation(self, ids, finish_label, prompt_tokens)
+        gen = Generation(self, ids, finish_label, prompt_tokens, scoring_only)
         self.in_flight += len(prompts)
         for i, (rid, prompt_ids, sp) in enumerate(zip(ids, prompts, params)):
             self._commands.put(AddRequest(rid, prompt_ids, sp, gen, i))
