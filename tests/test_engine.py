@@ -2,6 +2,8 @@
 conditions, and the speculative loop with scripted drafters (accepts, rejections, stops inside
 accepted runs)."""
 
+import time
+
 import pytest
 import torch
 
@@ -395,6 +397,20 @@ def test_threads_sharing_one_llm_get_their_own_answers(algorithm):
     assert got["a"] == got["b"] == [want] * 6
     assert got["stream"] == [texts[i % 3] for i in range(6)]
     assert not llm.engine.has_work()
+    # each thread's last stream is its own
+    outputs = {}
+
+    def last_of(name, prompt, tokens):
+        "".join(llm.stream(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)))
+        time.sleep(0.5)  # the other thread finishes its stream meanwhile
+        outputs[name] = llm.last_output.prompt_token_ids
+
+    threads = [threading.Thread(target=last_of, args=(name, PROMPTS[i], 3 + 20 * i)) for i, name in enumerate("ab")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert outputs == {"a": PROMPTS[0], "b": PROMPTS[1]}
 
 
 def test_library_arguments_of_the_wrong_kind_are_named():

@@ -385,6 +385,9 @@ def test_min_tokens_holds_back_stop_token_ids(spec_server):
     with pytest.raises(openai.BadRequestError) as err:
         c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, extra_body={"min_tokens": 5})
     assert err.value.body["param"] == "min_tokens"
+    with pytest.raises(openai.BadRequestError) as err:  # no max_tokens: the room the prompt leaves
+        c.completions.create(model=NAME, prompt=PROMPTS[0], extra_body={"min_tokens": MAX_LEN})
+    assert err.value.body["param"] == "min_tokens" and "room" in err.value.body["message"]
 
 
 def test_stop_string_ends_the_choice(spec_server):

@@ -217,6 +217,12 @@ def test_a_resume_that_cannot_work_is_refused_before_answering(tiny_target, tmp_
     assert "trains a head for" in err and "num_layers" in err
     assert not (tmp_path / "data").exists()
     (tmp_path / "kept").rename(tmp_path / "data")
+    info = tmp_path / "out" / "checkpoint.json"
+    kept = info.read_text()
+    info.write_text("{}")  # damaged: no early check, but the checkpoint's own on loading, named
+    assert main(_argv(tiny_target, tmp_path, "--steps", "6", "--resume", "--method", "mtp")) == 2
+    assert "--method mtp does not take options" in capsys.readouterr().err  # no KeyError from the json
+    info.write_text(kept)
     assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--resume")) == 0
     assert "the checkpoint had 3 steps, more than --steps 2" in capsys.readouterr().out
     assert sorted((tmp_path / "data").rglob("*.jsonl")) == answers

@@ -17,6 +17,7 @@ from tandem.flags import (
     add_sampling_args,
     add_spec_args,
     add_structured_output_args,
+    flag_message,
     sampling_from_args,
     spec_from_args,
 )
@@ -117,14 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text (streams; --json for one JSON object)")
+    gen = sub.add_parser("generate", help="generate text (streams; --json: a JSON object per prompt)")
     add_model_args(gen)
     add_spec_args(gen)
     add_sampling_args(gen)
     add_structured_output_args(gen)
     gen.add_argument("--prompt", default=None, help="prompt text (default: read stdin / interactive)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--json", action="store_true")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt (--prompt, or each line of stdin), a line each")
     gen.set_defaults(func=cmd_generate)
 
     audit = sub.add_parser("audit", help="prove losslessness of a target + drafter statistically (exit 1 on failure, "
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:
-        print(f"tandem: error: {err}", file=sys.stderr)
+        print(f"tandem: error: {flag_message(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)

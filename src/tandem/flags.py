@@ -4,6 +4,7 @@ one place so their defaults and help live once."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from tandem.config import (
@@ -65,6 +66,21 @@ def add_spec_args(p: argparse.ArgumentParser,
     p.add_argument("--speculative-min-survival", type=float, default=0.0,
                    help="cut a chain where the product of its drafter's confidences falls below this "
                         "(drafters that report confidences; 0: never)")
+
+
+# Settings the command line sets from a flag of another name (the library's field names).
+FIELD_FLAGS = {"max_num_seqs": "--max-running-requests", "drain_timeout_s": "--drain-timeout",
+               "request_read_timeout_s": "--request-read-timeout", "max_tokens": "--max-new-tokens",
+               "min_tokens": "--min-new-tokens"}
+
+
+def flag_message(message: str) -> str:
+    """An error about a setting, naming the flag that sets it where it starts with the setting's
+    field name (max_model_len -> --max-model-len, max_num_seqs -> --max-running-requests)."""
+    field, _, rest = message.partition(" ")
+    if not field.isidentifier() or not rest.startswith("must"):
+        return message
+    return FIELD_FLAGS.get(field, "--" + field.replace("_", "-")) + " " + rest
 
 
 def at_least(minimum: int):
@@ -141,7 +157,12 @@ def structured_output_from_args(args: argparse.Namespace) -> StructuredOutput | 
     if args.json_schema is not None:
         path = Path(args.json_schema)
         if path.is_file():
-            return StructuredOutput(json=read_user_text(path, "--json-schema"))
+            text = read_user_text(path, "--json-schema")
+            try:
+                json.loads(text)
+            except ValueError as err:
+                raise ValueError(f"--json-schema {path}: the file is not JSON ({err})") from None
+            return StructuredOutput(json=text)
         if not args.json_schema.lstrip().startswith("{"):
             raise ValueError(f"--json-schema {args.json_schema!r}: no such file, and not a JSON schema's text")
         return StructuredOutput(json=args.json_schema)

@@ -25,7 +25,7 @@ import uvicorn
 from tandem.config import EngineConfig, ServerConfig
 from tandem.drafters.heads.serving import check_head_available
 from tandem.engine.engine import Engine
-from tandem.flags import add_model_args, add_spec_args, spec_from_args
+from tandem.flags import add_model_args, add_spec_args, flag_message, spec_from_args
 from tandem.llm import configure_threads
 from tandem.model.catalogue import DEFAULT_DRAFTERS, builtin_name
 from tandem.model.loader import load_model, return_freed_memory
@@ -56,7 +56,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests decoded together (KV cache rows)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV slots all running requests may hold together (default: every row full, capped by "
-                        "--mem-fraction-static)")
+                        "--mem-fraction-static; a larger value is every row full, one past the memory a warning)")
     p.add_argument("--chunked-prefill-size", type=int, default=EngineConfig.chunked_prefill_size,
                    help="prompt tokens prefilled per step while other requests decode (0: whole prompts)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -99,24 +99,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                                "default: start a Ray here)")
 
 
-# The config fields `tandem serve` sets from a flag of another name: their errors name the flag.
-FIELD_FLAGS = {"max_num_seqs": "--max-running-requests", "drain_timeout_s": "--drain-timeout",
-               "request_read_timeout_s": "--request-read-timeout", "max_model_len": "--max-model-len",
-               "max_total_tokens": "--max-total-tokens", "mem_fraction_static": "--mem-fraction-static",
-               "chunked_prefill_size": "--chunked-prefill-size", "max_queued_requests": "--max-queued-requests",
-               "max_request_bytes": "--max-request-bytes", "max_request_header_bytes": "--max-request-header-bytes",
-               "threads": "--threads", "port": "--port"}
-
-
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     try:
         return _configs_from_args(args)
     except (ValueError, TypeError) as err:
-        message = str(err)
-        field = message.split(" ", 1)[0]
-        if field in FIELD_FLAGS:
-            message = FIELD_FLAGS[field] + message[len(field):]
-        raise type(err)(message) from None
+        raise type(err)(flag_message(str(err))) from None
 
 
 def _configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:

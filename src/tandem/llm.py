@@ -105,6 +105,7 @@ class LLM:
         self.engine = Engine(self.loaded, self.config, cost_curve=curve)
         self._unread: dict[str, list[str]] = {}  # streamed requests' text not yet yielded (_step)
         self._lock = threading.Lock()  # the engine's: adding, stepping and aborting requests
+        self._finished = threading.local()  # each thread's last finished stream (last_output)
         # Loading leaves millions of long-lived objects; keep the cyclic GC from rescanning them
         # in the middle of decoding (measured 100+ ms pauses).
         gc.collect()
@@ -118,8 +119,13 @@ class LLM:
         self = cls.__new__(cls)
         self.config, self.loaded, self.tokenizer = config, loaded, loaded.tokenizer
         self.engine = Engine(loaded, config, cost_curve=cost_curve)
-        self._unread, self._lock = {}, threading.Lock()
+        self._unread, self._lock, self._finished = {}, threading.Lock(), threading.local()
         return self
+
+    @property
+    def last_output(self) -> RequestOutput | None:
+        """The output of the last stream this thread read to its end (None before one)."""
+        return getattr(self._finished, "output", None)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, (list, tuple)):
@@ -206,4 +212,4 @@ class LLM:
         finally:  # an error, or the caller stopped iterating: the request leaves the engine
             del self._unread[req.request_id]
             self._abort([req])
-        self.last_output = req.output()
+        self._finished.output = req.output()

@@ -33,5 +33,6 @@ def progress(iterable=None, **kwargs) -> tqdm:
     if sys.stderr.isatty():
         return tqdm(iterable, **kwargs)
     kwargs.setdefault("disable", False)
+    kwargs["leave"] = True  # a log keeps its last line: a transient bar would end on its first
     return tqdm(iterable, file=_Lines(sys.stderr), mininterval=LOG_LINE_EVERY_S, maxinterval=LOG_LINE_EVERY_S,
                 ascii=True, ncols=100, **kwargs)

@@ -63,11 +63,11 @@ def _add_spec_parser(kinds) -> None:
     spec.add_argument("--methods", nargs="+", default=None, metavar="NAME[=PATH]",
                       help="drafters, comma- or space-separated, e.g. ngram,suffix,draft_model=PATH "
                            "(default: every registered drafter that needs no extra files)")
-    spec.add_argument("--num-draft-tokens", "-k", type=int, default=4)
-    spec.add_argument("--limit", type=int, default=3, help="first N prompts of each Spec-Bench subtask")
+    spec.add_argument("--num-draft-tokens", "-k", type=at_least(1), default=4)
+    spec.add_argument("--limit", type=at_least(1), default=3, help="first N prompts of each Spec-Bench subtask")
     spec.add_argument("--categories", nargs="+", default=None, choices=SPEC_BENCH_SUBTASKS, metavar="SUBTASK",
                       help=f"subset of {' '.join(SPEC_BENCH_SUBTASKS)}")
-    spec.add_argument("--max-new-tokens", type=int, default=128)
+    spec.add_argument("--max-new-tokens", type=at_least(1), default=128)
     spec.add_argument("--temperature", type=float, default=0.0,
                       help="0 = greedy (identity checked); > 0 = seeded sampling, seed + prompt index per prompt")
     spec.add_argument("--seed", type=int, default=0)

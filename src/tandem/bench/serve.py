@@ -268,7 +268,7 @@ def run_sweep(urls: dict[str, str], model: str, prompts: list[str], concurrencie
         levels[c] = {}
 
         def ran(mode: str, c=c) -> None:
-            steps.set_postfix_str(f"concurrency {c}, {mode}")
+            steps.set_postfix_str(f"concurrency {c}, {mode}", refresh=False)
             steps.update()
 
         runs = run_alternating(urls, model, level_prompts, c, max_tokens, alternations, progress=ran,

@@ -266,6 +266,9 @@ def _sampling_params(ctx: ServingContext, body: SamplingFields, prompts: list[li
                        f"{budget} for all requests (--max-total-tokens)")
             raise APIError(400, f"{why}: ask for at most {kv_room}", param="max_tokens", code="context_length_exceeded")
         room = kv_room
+        if body.max_tokens is None and body.min_tokens > room:
+            raise APIError(400, f"min_tokens {body.min_tokens} is more than the {room} tokens this prompt leaves room "
+                                "for (the context and the KV budget)", param="min_tokens")
         choices = []
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2**64

@@ -120,7 +120,9 @@ def _add_optimisation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--eval-k", type=int, default=5, help="draft positions scored by the held-out evaluation")
+    p.add_argument("--eval-k", type=int, default=5,
+                   help="draft positions scored by the held-out evaluation (at most what the head drafts: medusa's "
+                        "heads, mtp's modules, a block's drafts)")
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from the weights (and options) of an exported head of the same method and target, "
@@ -357,14 +359,15 @@ def _check_resumable(args) -> None:
     info_path = Path(args.out) / CHECKPOINT_INFO
     try:
         info = json.loads(info_path.read_text())
-    except (OSError, ValueError):  # a run checkpointed before the file existed: _resume checks
+        method, want = info["method"], info["target"]
+        shapes = {k: want[k] for k in ("vocab_size", "hidden_size", "num_layers")}
+    except (OSError, ValueError, KeyError, TypeError):  # none (a run from before it) or damaged: _resume checks
         return
-    if info["method"] != args.method:
-        raise ValueError(f"--resume: {args.out} holds a {info['method']} run, not {args.method}; resume it with "
-                         f"--method {info['method']}, or train into another --out")
-    want, cfg = info["target"], model_config(args.target)
-    diffs = [f"{k} {want[k]} vs {getattr(cfg, k)}" for k in ("vocab_size", "hidden_size", "num_layers")
-             if want[k] != getattr(cfg, k)]
+    if method != args.method:
+        raise ValueError(f"--resume: {args.out} holds a {method} run, not {args.method}; resume it with "
+                         f"--method {method}, or train into another --out")
+    cfg = model_config(args.target)
+    diffs = [f"{k} {v} vs {getattr(cfg, k)}" for k, v in shapes.items() if v != getattr(cfg, k)]
     if diffs:
         raise ValueError(f"--resume: {args.out} trains a head for {want['model_name']!r}, not for {args.target} "
                          f"({'; '.join(diffs)}); resume with --target {want['model_name']}, or train into another "

@@ -274,7 +274,7 @@ def train(
                                                         sched, cfg, step)
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{last_loss:.3f}", epoch=epoch)
+        bar.set_postfix(loss=f"{last_loss:.3f}", epoch=epoch, refresh=False)  # drawn at the bar's own pace
         if step % 10 == 0 or step == cfg.steps:
             _log_step(history, step, cfg, last_loss, sched.get_last_lr()[0], grad_norm, metrics,
                       (time.perf_counter() - t0) / max(1, step - first_step))
@@ -326,10 +326,13 @@ def _resume(ckpt_path: Path, head: DraftHead, target: TargetParts, optim, sched,
         raise _damaged(ckpt_path, str(err).splitlines()[0] if str(err) else None) from None
     if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
         raise _damaged(ckpt_path, "not a tandem training checkpoint")
-    trained_for = ckpt.get("target", {}).get("model_name")  # checkpoints before 2026-12-07 do not say
-    if trained_for is not None and trained_for != target.model_name:
-        raise ValueError(f"--resume: {ckpt_path} trains a head for {trained_for!r}, not for {target.model_name!r}; "
-                         f"resume with --target {trained_for}, or train into another --out")
+    trained_for, now = ckpt.get("target"), _target_record(target)  # checkpoints before 2026-12-07 do not say
+    if trained_for is not None and {**trained_for, "model_name": ""} != {**now, "model_name": ""}:
+        raise ValueError(f"--resume: {ckpt_path} trains a head for {trained_for['model_name']!r}, whose shapes are "
+                         f"not {target.model_name!r}'s; resume with that target, or train into another --out")
+    if trained_for is not None and trained_for["model_name"] != now["model_name"]:  # a moved or renamed copy?
+        log.warning("resuming a head trained for %r on %r, which has the same shapes", trained_for["model_name"],
+                    now["model_name"])
     if ckpt["method"] != head.method or ckpt["head_config"] != head.config_dict():
         raise ValueError(
             f"{ckpt_path} holds a {ckpt['method']} head {ckpt['head_config']}, not {head.method} "
