@@ -2,6 +2,8 @@
 variants and torch's int4/int8 kernels) runs the engine losslessly, the variants agree with each
 other, and TANDEM_KERNELS refuses what the CPU cannot run."""
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,3 +81,61 @@ def test_variants_follow_the_cpu_flags(monkeypatch):
                             (frozenset({"sse2"}), [])):
         monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda flags=flags: flags)
         assert kernels.supported_variants() == expected
+
+
+def test_a_damaged_kernel_library_is_built_again(tmp_path, monkeypatch):
+    """A cached kernel library that is not the file its build wrote (truncated, overwritten, or
+    without its digest) is compiled again instead of loaded: a truncated one killed the process
+    with SIGBUS, a garbage one fell back to torch's kernels for good."""
+    import tandem.model.kernels as kernels
+
+    variant = kernels.selected_variant()
+    if variant is None:
+        pytest.skip("no tandem kernels on this CPU")
+    from tandem.paths import cache_root
+
+    key = kernels.load_variant(variant).build_key
+    built = cache_root() / "kernels" / f"block_matmul-{variant}-{key}.so"  # the real library, to copy
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    builds = []
+
+    def replace(path, data: bytes):  # a new file: never rewrite one this process has mapped
+        tmp = path.with_name(path.name + ".new")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+
+    def fake_build(out, flags, source):  # the build's own steps, with the real library as output
+        builds.append(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        replace(out, built.read_bytes())
+        kernels._digest_path(out).write_text(hashlib.sha256(out.read_bytes()).hexdigest() + "\n")
+
+    monkeypatch.setattr(kernels, "_build", fake_build)
+    load = kernels.load_variant.__wrapped__
+    load(variant)
+    lib = builds[-1]
+    assert kernels._intact(lib)
+    load(variant)
+    assert len(builds) == 1  # intact: loaded as it is
+    for damage in (lambda: replace(lib, lib.read_bytes()[:50000]), lambda: replace(lib, b"garbage"),
+                   lambda: kernels._digest_path(lib).unlink()):
+        damage()
+        assert not kernels._intact(lib)
+        load(variant)
+        assert kernels._intact(lib)
+    assert len(builds) == 4
+
+
+def test_forced_kernels_that_cannot_load_are_an_error(monkeypatch):
+    import tandem.model.kernels as kernels
+
+    def cannot(name, source=None):
+        raise OSError("invalid ELF header")
+
+    monkeypatch.setattr(kernels, "load_variant", cannot)
+    monkeypatch.setenv("TANDEM_KERNELS", "avx2")
+    with pytest.raises(ValueError, match="TANDEM_KERNELS=avx2: tandem's avx2 kernels cannot be built or loaded"):
+        kernels._block_kernels.__wrapped__("avx2")
+    monkeypatch.setenv("TANDEM_KERNELS", "auto")
+    with pytest.warns(UserWarning, match="using torch's"):
+        assert kernels._block_kernels.__wrapped__("avx2") is None

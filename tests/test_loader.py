@@ -82,3 +82,28 @@ def test_native_quantization_needs_gguf(tmp_path):
     hf.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="GGUF"):
         load_model(str(tmp_path), quantization="native")
+
+
+@pytest.mark.slow
+def test_a_half_made_model_conversion_is_made_again(tmp_path, monkeypatch):
+    """A converted GGUF directory holding config.json alone (what two runs racing on an older
+    tandem left) is converted again, through a directory of this process's own."""
+    from tandem.model.loader import METADATA_FILES, _ensure_gguf_metadata
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    src = resolve_model("smollm2-135m-instruct")
+    src.hf_dir.mkdir(parents=True)
+    (src.hf_dir / "config.json").write_text("{}")
+    _ensure_gguf_metadata(src)
+    assert all((src.hf_dir / name).is_file() for name in METADATA_FILES)
+    assert json.loads((src.hf_dir / "config.json").read_text())["hidden_size"] == 576
+    assert [p.name for p in src.hf_dir.parent.iterdir()] == [src.hf_dir.name]  # no temporary left
+
+
+def test_a_cache_directory_that_is_a_file_is_named(tmp_path, monkeypatch):
+    from tandem.paths import cache_root
+
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "afile"))
+    with pytest.raises(ValueError, match="is a file; point TANDEM_CACHE_DIR at a directory"):
+        cache_root()

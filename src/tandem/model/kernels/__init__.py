@@ -422,6 +422,7 @@ def kernel_description() -> str:
 
 
 def _build(out: Path, flags: list[str], source: Path) -> None:
+    """Compile `source` into `out`, with its sha256 beside it (`_intact` checks it before loading)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) found")
@@ -431,10 +432,36 @@ def _build(out: Path, flags: list[str], source: Path) -> None:
         tmp_path = Path(tmp.name)
     try:
         subprocess.run([compiler, *flags, "-o", str(tmp_path), str(source)], check=True, capture_output=True, text=True)
+        tmp_path.chmod(0o755 & ~_umask())  # readable by the accounts that share the cache, as its other files
+        digest = hashlib.sha256(tmp_path.read_bytes()).hexdigest()
         tmp_path.replace(out)
+        tmp_digest = out.with_name(f"{out.name}.{os.getpid()}.sha256")
+        tmp_digest.write_text(digest + "\n")
+        tmp_digest.replace(_digest_path(out))
     except subprocess.CalledProcessError as err:
-        tmp_path.unlink(missing_ok=True)
         raise RuntimeError(err.stderr.strip()[-2000:]) from err
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _digest_path(lib_path: Path) -> Path:
+    return lib_path.with_name(lib_path.name + ".sha256")
+
+
+def _intact(lib_path: Path) -> bool:
+    """Whether a cached build is the file its build wrote (its sha256 beside it): a truncated or
+    overwritten library is built again rather than mapped (a truncated one kills the process that
+    maps it with SIGBUS)."""
+    try:
+        return hashlib.sha256(lib_path.read_bytes()).hexdigest() == _digest_path(lib_path).read_text().strip()
+    except OSError:
+        return False
 
 
 @functools.cache
@@ -451,9 +478,14 @@ def load_variant(name: str, source: Path = SOURCE) -> BlockKernels:
     source = Path(source)
     key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     lib_path = cache_root() / "kernels" / f"block_matmul-{name}-{key}.so"
-    if not lib_path.exists():
+    if not _intact(lib_path):
         log.info("compiling tandem's %s CPU block kernels into %s", name, lib_path)
-        _build(lib_path, flags, source)
+        try:
+            _build(lib_path, flags, source)
+        except OSError as err:  # a cache this user cannot write: a private build, this process only
+            log.warning("cannot write tandem's kernel cache (%s); compiling into a temporary directory", err)
+            lib_path = Path(tempfile.mkdtemp(prefix="tandem-kernels-")) / lib_path.name
+            _build(lib_path, flags, source)
     # torch is imported first, so its libgomp already serves the kernels' OpenMP pool.
     return BlockKernels(ctypes.CDLL(str(lib_path)), name, key)
 
@@ -467,6 +499,9 @@ def _block_kernels(variant: str | None) -> BlockKernels | None:
     try:
         kernels = load_variant(variant)
     except (OSError, RuntimeError) as err:
+        if requested_kernels() != "auto":  # forced: run it or say why not, never quietly another
+            raise ValueError(f"TANDEM_KERNELS={variant}: tandem's {variant} kernels cannot be built or loaded "
+                             f"({err})") from None
         warnings.warn(f"could not build tandem's CPU kernels ({err}); using torch's int4/int8 kernels", stacklevel=3)
         return None
     log.info("block kernels: %s (%s)", variant, cpu_name())
