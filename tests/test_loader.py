@@ -107,3 +107,19 @@ def test_a_cache_directory_that_is_a_file_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "afile"))
     with pytest.raises(ValueError, match="is a file; point TANDEM_CACHE_DIR at a directory"):
         cache_root()
+
+
+def test_a_damaged_converted_model_names_its_file(tmp_path, monkeypatch):
+    """A cached conversion whose config or weights are damaged: an error naming the file and
+    saying it can be made again, not a bare JSON or safetensors error."""
+    from tandem.model.loader import load_safetensors_dir, read_hf_config
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    model_dir = tmp_path / "models" / "m"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text('{"hidden_size": ')
+    with pytest.raises(ValueError, match=r"config.json cannot be read .*delete .* and it is made again"):
+        read_hf_config(model_dir)
+    (model_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(ValueError, match=r"model.safetensors cannot be read"):
+        load_safetensors_dir(model_dir)

@@ -32,7 +32,7 @@ from tandem.model.kv_cache import kv_cache_dtype
 from tandem.model.libc import trim_heap
 from tandem.model.quant import DenseLinear, quantize_linear
 from tandem.model.transformer import TransformerLM
-from tandem.paths import save_safetensors
+from tandem.paths import cache_root, save_safetensors
 from tandem.progress import progress
 
 log = logging.getLogger("tandem.loader")
@@ -113,7 +113,18 @@ def float_checkpoint(name: str) -> Path:
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
-    return json.loads((hf_dir / "config.json").read_text())
+    path = hf_dir / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError) as err:
+        raise ModelNotFoundError(f"{path} cannot be read ({err}){_damaged_hint(hf_dir)}") from None
+
+
+def _damaged_hint(hf_dir: Path) -> str:
+    """What to do about a damaged file of a model directory: one tandem made can be made again."""
+    if cache_root().resolve() in hf_dir.resolve().parents:
+        return f"; it is tandem's conversion: delete {hf_dir} and it is made again"
+    return ""
 
 
 class StateDictSource:
@@ -148,7 +159,10 @@ def load_safetensors_dir(hf_dir: Path) -> dict[str, torch.Tensor]:
         raise ModelNotFoundError(f"no .safetensors weights in {hf_dir}")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as err:  # safetensors' own error type: a truncated or foreign file
+            raise ModelNotFoundError(f"{f} cannot be read ({err}){_damaged_hint(hf_dir)}") from None
     return tensors
 
 
@@ -246,7 +260,11 @@ def load_model(
             _ensure_gguf_float_weights(src)
         weights = StateDictSource(load_safetensors_dir(src.hf_dir), quant, torch_dtype, kernels)
     model = build_model(cfg, weights, torch_dtype, desc=f"loading {src.name}")
-    tokenizer = AutoTokenizer.from_pretrained(str(src.hf_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(src.hf_dir))
+    except (ValueError, OSError) as err:
+        raise ModelNotFoundError(f"the tokenizer in {src.hf_dir} cannot be read ({str(err).splitlines()[0]})"
+                                 f"{_damaged_hint(src.hf_dir)}") from None
     loaded = LoadedModel(model.to(device), tokenizer, cfg, src.name, torch_dtype, quant, kernels, kv_cache_dtype)
     loaded.kv_dtype(device)  # a bad kv_cache_dtype fails here, not at the first request
     return_freed_memory()
