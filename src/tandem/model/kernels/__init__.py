@@ -495,6 +495,8 @@ def _block_kernels(variant: str | None) -> BlockKernels | None:
     if variant is None:
         if requested_kernels() == "auto":
             warnings.warn("this CPU lacks AVX2/FMA/F16C: using torch's int4/int8 kernels", stacklevel=3)
+        else:
+            log.info("block kernels: none; torch's int4/int8 kernels (TANDEM_KERNELS=torch)")
         return None
     try:
         kernels = load_variant(variant)
