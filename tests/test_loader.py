@@ -1,6 +1,7 @@
 """Loader: name resolution and clear errors; HF-directory round trip on a tiny model."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -98,6 +99,9 @@ def test_a_half_made_model_conversion_is_made_again(tmp_path, monkeypatch):
     assert all((src.hf_dir / name).is_file() for name in METADATA_FILES)
     assert json.loads((src.hf_dir / "config.json").read_text())["hidden_size"] == 576
     assert [p.name for p in src.hf_dir.parent.iterdir()] == [src.hf_dir.name]  # no temporary left
+    mask = os.umask(0)
+    os.umask(mask)
+    assert src.hf_dir.stat().st_mode & 0o777 == 0o777 & ~mask  # as readable as a directory made plainly
 
 
 def test_a_cache_directory_that_is_a_file_is_named(tmp_path, monkeypatch):

@@ -57,6 +57,12 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = No
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~umask())
+
+
+def umask() -> int:
+    """This process's umask (what a plainly created file leaves out), for files made private by
+    the call that makes them (mkdtemp, safetensors) and then opened to the cache's other users."""
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask

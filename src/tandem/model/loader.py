@@ -32,7 +32,7 @@ from tandem.model.kv_cache import kv_cache_dtype
 from tandem.model.libc import trim_heap
 from tandem.model.quant import DenseLinear, quantize_linear
 from tandem.model.transformer import TransformerLM
-from tandem.paths import cache_root, save_safetensors
+from tandem.paths import cache_root, save_safetensors, umask
 from tandem.progress import progress
 
 log = logging.getLogger("tandem.loader")
@@ -58,6 +58,7 @@ def _ensure_gguf_metadata(src: ModelSource) -> None:
     try:
         src.hf_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=src.hf_dir.parent, prefix=src.hf_dir.name + ".tmp-"))
+        tmp.chmod(0o777 & ~umask())  # mkdtemp's 0700 would keep the other accounts sharing the cache out
     except OSError as err:
         raise ValueError(f"the cache directory {src.hf_dir.parent} cannot be written ({err.strerror or err}); set "
                          "TANDEM_CACHE_DIR to a writable directory") from None

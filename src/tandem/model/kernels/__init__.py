@@ -73,7 +73,7 @@ from tandem.model.kernels.records import (
     own_caches,
     ptr,
 )
-from tandem.paths import cache_root
+from tandem.paths import cache_root, umask
 
 # The package's face: the kernels, what they read, and which variant runs here.
 __all__ = [
@@ -432,7 +432,7 @@ def _build(out: Path, flags: list[str], source: Path) -> None:
         tmp_path = Path(tmp.name)
     try:
         subprocess.run([compiler, *flags, "-o", str(tmp_path), str(source)], check=True, capture_output=True, text=True)
-        tmp_path.chmod(0o755 & ~_umask())  # readable by the accounts that share the cache, as its other files
+        tmp_path.chmod(0o755 & ~umask())  # readable by the accounts that share the cache, as its other files
         digest = hashlib.sha256(tmp_path.read_bytes()).hexdigest()
         tmp_path.replace(out)
         tmp_digest = out.with_name(f"{out.name}.{os.getpid()}.sha256")
@@ -442,12 +442,6 @@ def _build(out: Path, flags: list[str], source: Path) -> None:
         raise RuntimeError(err.stderr.strip()[-2000:]) from err
     finally:
         tmp_path.unlink(missing_ok=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _digest_path(lib_path: Path) -> Path:
