@@ -87,7 +87,7 @@ def test_a_damaged_kernel_library_is_built_again(tmp_path, monkeypatch):
     """A cached kernel library that is not the file its build wrote (truncated, overwritten, or
     without its digest) is compiled again instead of loaded: a truncated one killed the process
     with SIGBUS, a garbage one fell back to torch's kernels for good."""
-    import tandem.model.kernels as kernels
+    from tandem.model.kernels import build as kernels  # where the kernels are built and chosen
 
     variant = kernels.selected_variant()
     if variant is None:
@@ -127,7 +127,7 @@ def test_a_damaged_kernel_library_is_built_again(tmp_path, monkeypatch):
 
 
 def test_forced_kernels_that_cannot_load_are_an_error(monkeypatch):
-    import tandem.model.kernels as kernels
+    from tandem.model.kernels import build as kernels  # where the kernels are built and chosen
 
     def cannot(name, source=None):
         raise OSError("invalid ELF header")

@@ -1,6 +1,6 @@
 // Block-quantized weight x int8-quantized activation matmuls for x86 CPUs (C ABI, OpenMP), and a
 // decoder-layer loop over them, and sampling (the section near the end), compiled once per
-// instruction-set variant (kernels/__init__.py):
+// instruction-set variant (kernels/build.py):
 //
 //   TANDEM_LANES == 16, AVX-512 VNNI   vpdpbusd on zmm: 16 output rows per instruction
 //   TANDEM_LANES == 8, 256-bit VNNI    vpdpbusd on ymm (AVX-VNNI or AVX512-VL VNNI)
