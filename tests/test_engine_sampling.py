@@ -500,8 +500,9 @@ def test_min_tokens_negative_control_a_ban_on_every_row_fails(noisy_draft_model)
     """A ban that ignores which output position each verified row draws (every row of a round
     that starts before min_tokens held back) keeps the stop tokens from t3 after an accepted
     draft: the joint law must see it."""
-    def every_row(self, allowed, rows, depths=None):
-        return original(self, allowed, rows, [0] * rows)
+    def every_row(self, allowed, rows, parents=None):  # each row shifted as the round's first
+        shift = original(self, allowed, 1)
+        return None if shift is None else shift.expand(rows, -1)
 
     original = engine_module.Request.logit_shift
     with mock.patch.object(engine_module.Request, "logit_shift", every_row):

@@ -368,8 +368,7 @@ class Engine:
                 if draft.probs is None and valid < len(draft):
                     draft = drafts[b] = draft.truncated(valid)
                     allowed = allowed[: valid + 1]
-            depths = [0] + [len(path) for path in tree_paths(draft.parents)] if draft.is_tree else None
-            shifts[b] = req.logit_shift(allowed, len(draft) + 1, depths)
+            shifts[b] = req.logit_shift(allowed, len(draft) + 1, draft.parents)
         return drafts, shifts
 
     def _verify_forward(self, batch: list[Request], drafts: list[Draft], chunks: list[tuple[Request, int, int]]):

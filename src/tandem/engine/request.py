@@ -12,7 +12,7 @@ import torch
 from tandem.config import SamplingParams
 from tandem.grammar import GrammarState
 from tandem.sampling import OTHER_DEVICE_SEED_OFFSET, make_generator
-from tandem.types import RequestOutput, SpecStats, TokenLogprob
+from tandem.types import RequestOutput, SpecStats, TokenLogprob, tree_paths
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
 
@@ -169,13 +169,13 @@ class Request:
         """One per prompt token (params.prompt_logprobs), None for the first: nothing predicts it."""
         return [None, *self.prompt_logprobs]
 
-    def logit_shift(self, allowed: torch.Tensor | None, rows: int, depths: list[int] | None = None
+    def logit_shift(self, allowed: torch.Tensor | None, rows: int, parents: list[int] | None = None
                     ) -> torch.Tensor | None:
         """What to add to `rows` logit rows before anything else (sampling.shifted): -inf where
         the structured output refuses a token (allowed: [rows, V] bool from its grammar), plus
         the logit bias, plus -inf at the stop tokens in rows that draw one of the first
-        min_tokens output tokens (row i draws output token len(output_ids) + depths[i]; depths
-        None: a chain, depth i); None when nothing applies."""
+        min_tokens output tokens (row i draws output token len(output_ids) + its depth: i along a
+        chain, its path's length in a tree of these draft `parents`); None when nothing applies."""
         banning = self.stop_ban is not None and len(self.output_ids) < self.params.min_tokens
         if allowed is None and not banning:
             return None if self.bias_row is None else self.bias_row.expand(rows, -1)
@@ -184,7 +184,8 @@ class Request:
         if self.bias_row is not None:
             shift += self.bias_row
         if banning:
-            depth = torch.arange(rows) if depths is None else torch.tensor(depths)
+            depth = (torch.arange(rows) if parents is None
+                     else torch.tensor([0] + [len(path) for path in tree_paths(parents)]))
             shift[len(self.output_ids) + depth < self.params.min_tokens] += self.stop_ban
         return shift
 

@@ -23,7 +23,8 @@ import torch
 from tandem.config import DEVICES, DTYPES, QUANTIZATIONS, SpecConfig
 from tandem.drafters.corpus import DEFAULT_CORPUS_TOKENS
 from tandem.drafters.heads.base import TargetParts, head_methods
-from tandem.drafters.heads.io import build_head, check_target_shapes, load_head, read_head_config, save_head
+from tandem.drafters.heads.io import (TARGET_SHAPES, build_head, check_target_shapes, load_head, read_head_config,
+                                      save_head, shape_differences)
 from tandem.llm import LLM, configure_threads
 from tandem.model.catalogue import DEFAULT_MODEL
 from tandem.model.loader import LoadedModel, load_model, model_config
@@ -359,15 +360,13 @@ def _check_resumable(args) -> None:
     info_path = Path(args.out) / CHECKPOINT_INFO
     try:
         info = json.loads(info_path.read_text())
-        method, want = info["method"], info["target"]
-        shapes = {k: want[k] for k in ("vocab_size", "hidden_size", "num_layers")}
+        method, want = info["method"], {k: info["target"][k] for k in ("model_name", *TARGET_SHAPES)}
     except (OSError, ValueError, KeyError, TypeError):  # none (a run from before it) or damaged: _resume checks
         return
     if method != args.method:
         raise ValueError(f"--resume: {args.out} holds a {method} run, not {args.method}; resume it with "
                          f"--method {method}, or train into another --out")
-    cfg = model_config(args.target)
-    diffs = [f"{k} {v} vs {getattr(cfg, k)}" for k, v in shapes.items() if v != getattr(cfg, k)]
+    diffs = shape_differences(want, model_config(args.target))
     if diffs:
         raise ValueError(f"--resume: {args.out} trains a head for {want['model_name']!r}, not for {args.target} "
                          f"({'; '.join(diffs)}); resume with --target {want['model_name']}, or train into another "

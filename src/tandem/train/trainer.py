@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tandem.drafters.heads.base import DraftHead, TargetParts
+from tandem.drafters.heads.io import shape_differences, target_record
 from tandem.model.kernels import cpu_flags
 from tandem.progress import progress
 from tandem.train.capture import CapturedData
@@ -326,13 +327,13 @@ def _resume(ckpt_path: Path, head: DraftHead, target: TargetParts, optim, sched,
         raise _damaged(ckpt_path, str(err).splitlines()[0] if str(err) else None) from None
     if not isinstance(ckpt, dict) or not CHECKPOINT_KEYS <= set(ckpt):
         raise _damaged(ckpt_path, "not a tandem training checkpoint")
-    trained_for, now = ckpt.get("target"), _target_record(target)  # checkpoints before 2026-12-07 do not say
-    if trained_for is not None and {**trained_for, "model_name": ""} != {**now, "model_name": ""}:
+    trained_for = ckpt.get("target")  # checkpoints before 2026-12-07 do not say
+    if trained_for is not None and shape_differences(trained_for, target.config):
         raise ValueError(f"--resume: {ckpt_path} trains a head for {trained_for['model_name']!r}, whose shapes are "
                          f"not {target.model_name!r}'s; resume with that target, or train into another --out")
-    if trained_for is not None and trained_for["model_name"] != now["model_name"]:  # a moved or renamed copy?
+    if trained_for is not None and trained_for["model_name"] != target.model_name:  # a moved or renamed copy?
         log.warning("resuming a head trained for %r on %r, which has the same shapes", trained_for["model_name"],
-                    now["model_name"])
+                    target.model_name)
     if ckpt["method"] != head.method or ckpt["head_config"] != head.config_dict():
         raise ValueError(
             f"{ckpt_path} holds a {ckpt['method']} head {ckpt['head_config']}, not {head.method} "
@@ -353,17 +354,10 @@ def _damaged(ckpt_path: Path, why: str | None) -> ValueError:
                       "damaged; start again without --resume into another --out")
 
 
-def _target_record(target: TargetParts) -> dict:
-    """The target a run trains for: its name and shapes (as an exported head.json names it)."""
-    cfg = target.config
-    return {"model_name": target.model_name, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-            "num_layers": cfg.num_layers}
-
-
 def _checkpoint_state(head: DraftHead, target: TargetParts, optim, sched, cfg: TrainConfig, step: int,
                       seconds: float, history: list[dict]) -> dict:
     return {
-        "method": head.method, "head_config": head.config_dict(), "target": _target_record(target),
+        "method": head.method, "head_config": head.config_dict(), "target": target_record(target.config, target.model_name),
         "head": head.state_dict(),
         "optim": optim.state_dict(), "sched": sched.state_dict(), "step": step,
         "seconds": seconds, "history": history, "rng": _rng_state(),

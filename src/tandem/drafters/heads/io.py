@@ -52,15 +52,20 @@ def _attach_target(head: DraftHead, target: TargetParts, signature: torch.Tensor
     head.target_signature = target.signature() if signature is None else signature
 
 
-def _target_record(head: DraftHead, target_name: str) -> dict:
-    cfg = head.target_config
-    return {
-        "model_name": target_name,
-        "model_type": cfg.model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_layers": cfg.num_layers,
-    }
+# The target shapes a head (or a training run) fits only, as its record states them.
+TARGET_SHAPES = ("vocab_size", "hidden_size", "num_layers")
+
+
+def target_record(cfg, target_name: str) -> dict:
+    """The target a head is trained for: its name, model type and shapes (head.json's "target",
+    a training checkpoint's)."""
+    return {"model_name": target_name, "model_type": cfg.model_type,
+            **{k: getattr(cfg, k) for k in TARGET_SHAPES}}
+
+
+def shape_differences(record: dict, cfg) -> list[str]:
+    """How the target of a record differs in shape from the ModelConfig `cfg` ([] if it fits)."""
+    return [f"{k} {record[k]} vs {getattr(cfg, k)}" for k in TARGET_SHAPES if record[k] != getattr(cfg, k)]
 
 
 def save_head(head: DraftHead, out_dir: str | Path, target_name: str, extra_record: dict | None = None,
@@ -83,7 +88,7 @@ def save_head(head: DraftHead, out_dir: str | Path, target_name: str, extra_reco
         "format": FORMAT,
         "version": VERSION,
         "method": head.method,
-        "target": _target_record(head, target_name),
+        "target": target_record(head.target_config, target_name),
         "hidden_layers": list(head.hidden_layers),
         "serving_layers": list(head.serving_layers),
         "draft_vocab_size": head.draft_vocab_size,
@@ -130,8 +135,7 @@ def check_target(record: dict, target: TargetParts, where: str) -> None:
 def check_target_shapes(record: dict, cfg, model_name: str, where: str) -> None:
     """check_target from the target's ModelConfig alone (its shapes; no weights loaded)."""
     want = record["target"]
-    have = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers}
-    diffs = [f"{k} {want[k]} vs {v}" for k, v in have.items() if want[k] != v]
+    diffs = shape_differences(want, cfg)
     if diffs:
         raise ValueError(
             f"the {record['method']} head at {where} was trained for target {want['model_name']!r}, not for "
