@@ -184,6 +184,10 @@ def test_a_mode_names_its_policy_and_may_name_its_drafter():
     (["bench", "agent", "--turns", "0"], "--turns: must be >= 1"),
     (["bench", "base", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
     (["bench", "base", "--threads", "0"], "--threads: must be >= 1"),
+    (["bench", "spec", "--threads", "0"], "--threads: must be >= 1"),
+    (["serve", "--threads", "0"], "--threads: must be >= 1"),
+    (["generate", "--prompt", "x", "--threads", "0"], "--threads: must be >= 1"),
+    (["advise", "--threads", "0"], "--threads: must be >= 1"),
 ])
 def test_bench_sizes_that_cannot_work_are_refused_while_parsing(argv, message, capsys):
     """Zero or negative sizes and shares out of range: refused before any server starts (they

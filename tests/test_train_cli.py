@@ -67,8 +67,9 @@ def test_train_cli_reports_bad_input(tiny_target, tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--max-prompt-context", "-1")) == 2
     assert "--max-prompt-context" in capsys.readouterr().err
-    assert main(_argv(tiny_target, tmp_path, "--steps", "2", "--threads", "0")) == 2
-    assert "--threads must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused while parsing, before any model loads
+        main(_argv(tiny_target, tmp_path, "--steps", "2", "--threads", "0"))
+    assert exit_.value.code == 2 and "--threads: must be >= 1" in capsys.readouterr().err
 
 
 def test_train_cli_transformers_backend_data_only_then_cached_answers(tiny_target, tmp_path, capsys):

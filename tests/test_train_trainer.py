@@ -111,6 +111,21 @@ def test_overfits_a_tiny_set(captured, tmp_path, precision):
     assert losses[-1] < losses[0]
 
 
+def test_records_name_the_positions_a_head_drafts(captured, tmp_path):
+    """eval_k beyond what a head drafts scores the head's positions, and says so in the records."""
+    loaded, data, held = captured
+
+    class TwoPositions(NextNextHead):
+        max_draft_tokens = 2
+
+    torch.manual_seed(0)
+    head = TwoPositions(loaded.config)
+    cfg = TrainConfig(steps=2, batch_size=4, eval_every=2, checkpoint_every=2, eval_k=5)
+    result = train(head, _target(loaded), data, held, cfg, tmp_path)
+    assert len(result.eval.acceptance) == 2
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["train_config"]["eval_k"] == 2
+
+
 @pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
 def test_resume_equals_an_uninterrupted_run(captured, tmp_path, precision):
     loaded, data, held = captured

@@ -32,6 +32,7 @@ from tandem.bench.spec import (
 )
 from tandem.bench.steal import StealMeter
 from tandem.config import DTYPES, QUANTIZATIONS, EngineConfig
+from tandem.flags import at_least
 from tandem.llm import LLM, configure_threads
 from tandem.model.cost import forward_cost_curve
 from tandem.model.catalogue import DEFAULT_MODEL
@@ -317,7 +318,7 @@ def add_advise_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPES)
     p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=at_least(1), default=None)
     p.add_argument("--prompts", default=None, metavar="FILE",
                    help="your prompts: .jsonl with prompt/text/turns fields, or one prompt per line "
                         "(default: Spec-Bench, spread over its subtasks)")

@@ -75,7 +75,7 @@ def _add_spec_parser(kinds) -> None:
     spec.add_argument("--hf-assistant", default="auto",
                       help="assistant model for transformers assisted generation: a model name/path, "
                            "auto (a smaller built-in model with the same tokenizer) or none")
-    spec.add_argument("--threads", type=int, default=None)
+    spec.add_argument("--threads", type=at_least(1), default=None)
     spec.add_argument("--skip-transformers", action="store_true")
     spec.add_argument("--json-object", action="store_true",
                       help="every answer must be a JSON object (structured output; with --skip-transformers)")

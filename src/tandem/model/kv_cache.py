@@ -43,7 +43,8 @@ class LazyZeros:
             self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as err:  # not even the address space: say what asked for it
             raise ValueError(f"the KV cache would span {nbytes / 2**30:.1f} GiB of address space ({err.strerror}): "
-                             "lower max_model_len, max_num_seqs or max_total_tokens") from err
+                             "lower max_model_len, max_num_seqs or max_total_tokens (tandem serve's --max-model-len, "
+                             "--max-running-requests or --max-total-tokens)") from err
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=math.prod(shape)).view(shape)
 
     def forget(self, offset: int, nbytes: int) -> None:

@@ -25,6 +25,7 @@ from tandem.drafters.corpus import DEFAULT_CORPUS_TOKENS
 from tandem.drafters.heads.base import TargetParts, head_methods
 from tandem.drafters.heads.io import (TARGET_SHAPES, build_head, check_target_shapes, load_head, read_head_config,
                                       save_head, shape_differences)
+from tandem.flags import at_least
 from tandem.llm import LLM, configure_threads
 from tandem.model.catalogue import DEFAULT_MODEL
 from tandem.model.loader import LoadedModel, load_model, model_config
@@ -34,7 +35,7 @@ from tandem.train.data import DistillConfig, PromptSplit, distill, load_prompts
 from tandem.train.hf_backend import distill_hf, hf_forward_factory, load_hf_target
 from tandem.train.suffix_corpus import export_corpus
 from tandem.train.trainer import (CHECKPOINT, CHECKPOINT_INFO, PRECISIONS, TrainConfig, TrainResult, auto_precision,
-                                  calibrate, train)
+                                  calibrate, fit_eval_k, train)
 
 log = logging.getLogger("tandem.train")
 
@@ -142,7 +143,7 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
                         "for a GPU with room for tokens x layers x hidden x 2 bytes); --data-only then caches the "
                         "answers only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=at_least(1), default=None,
                    help="CPU threads of every stage (default: all cores); give two runs side by side 1 each")
     p.add_argument("--corpus-tokens", type=int, default=DEFAULT_CORPUS_TOKENS,
                    help="--method suffix: the answer tokens the corpus keeps (the first training answers)")
@@ -227,6 +228,7 @@ def cmd_train(args) -> int:
     torch.manual_seed(args.seed)
     target = TargetParts.from_loaded(loaded)
     head = _initial_head(args, target, loaded, options, train_records)
+    cfg = fit_eval_k(cfg, head)
     layers = tuple(head.hidden_layers)
     hidden = _hidden_states(args, loaded.name, forward_model, answers_dir, train_records, held_records, layers)
     del forward_model  # a transformers copy gives its memory back before training

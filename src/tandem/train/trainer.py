@@ -225,6 +225,15 @@ def _save(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def fit_eval_k(cfg: TrainConfig, head: DraftHead) -> TrainConfig:
+    """cfg with eval_k no larger than what the head drafts, so records name the positions scored."""
+    if head.max_draft_tokens is None or cfg.eval_k <= head.max_draft_tokens:
+        return cfg
+    log.info("evaluating %d draft positions, all that a %s head drafts (asked: %d)", head.max_draft_tokens,
+             head.method, cfg.eval_k)
+    return dataclasses.replace(cfg, eval_k=head.max_draft_tokens)
+
+
 def train(
     head: DraftHead,
     target: TargetParts,
@@ -240,6 +249,7 @@ def train(
     eval_first: evaluate the head before the first step too (a head that starts trained)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    cfg = fit_eval_k(cfg, head)
     device = torch.device(cfg.device)
     target, params, optim, sched = _prepare(head, target, cfg, device)
     ckpt_path = out / CHECKPOINT
