@@ -31,12 +31,16 @@ def tiny_hf_config(arch: str, **overrides):
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
         return tf.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if arch == "llama_biased":  # attention_bias biases q, k, v and o; mlp_bias gate, up and down
+        return tf.LlamaConfig(**common, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=6, tie_word_embeddings=False)
     if arch == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=False)
     if arch == "qwen3":
         return tf.Qwen3Config(**{"head_dim": 24, **common}, tie_word_embeddings=True)
+    if arch == "qwen3_biased":
+        return tf.Qwen3Config(**{"head_dim": 24, **common}, attention_bias=True, tie_word_embeddings=True)
     if arch == "gemma3":
         return tf.Gemma3TextConfig(
             **{"head_dim": 16, **common, "num_hidden_layers": 3}, query_pre_attn_scalar=20, sliding_window=5,
@@ -47,7 +51,7 @@ def tiny_hf_config(arch: str, **overrides):
     raise ValueError(arch)
 
 
-ARCHS = ["llama", "llama3_scaled", "mistral", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "llama3_scaled", "llama_biased", "mistral", "qwen2", "qwen3", "qwen3_biased", "gemma3"]
 
 
 def build_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

@@ -78,6 +78,56 @@ def test_hf_directory_round_trip(tmp_path):
     torch.testing.assert_close(out.logits, ref, atol=2e-4, rtol=1e-4)
 
 
+def _tiny_dir(root, hf) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    hf.save_pretrained(root)
+    vocab = {f"t{i}": i for i in range(97)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                            eos_token="t2").save_pretrained(root)
+
+
+def test_weights_the_decoder_would_leave_out_are_refused(tmp_path):
+    """A checkpoint tensor no layer reads (here a bias the config does not announce) would run as
+    another model: loading names it instead (an o_proj bias was once dropped without a word)."""
+    from safetensors.torch import load_file, save_file
+
+    hf, _ = build_tiny("llama")
+    _tiny_dir(tmp_path, hf)
+    (weights,) = tmp_path.glob("*.safetensors")
+    state = load_file(str(weights))
+    state["model.layers.1.self_attn.o_proj.bias"] = torch.ones(64)
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.o_proj\.bias"):
+        load_model(str(tmp_path), quantization="none", dtype="float32")
+
+
+def test_a_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    """Gemma 3 4B and up are saved with the language model under a prefix and a vision tower
+    beside it: tandem reads the language model's tensors by their plain names and leaves the
+    vision tower, and the logits are the text model's."""
+    from safetensors.torch import save_file
+
+    hf, _ = build_tiny("gemma3")
+    _tiny_dir(tmp_path, hf)
+    (weights,) = tmp_path.glob("*.safetensors")
+    state = {"language_model." + k: v.clone() for k, v in hf.state_dict().items()}
+    state["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
+    weights.unlink()
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path), quantization="none", dtype="float32")
+    from tandem.model.kv_cache import KVCache
+    from tandem.model.runner import ModelRunner, SeqInput
+
+    runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, 32, torch.float32))
+    ids = [5, 9, 14, 3, 77]
+    out = runner.forward([SeqInput(runner.cache.allocate(), ids, logits="all")])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(out.logits, ref, atol=2e-4, rtol=1e-4)
+
+
 def test_native_quantization_needs_gguf(tmp_path):
     hf, _ = build_tiny("llama")
     hf.save_pretrained(tmp_path)

@@ -45,6 +45,10 @@ class Engine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
+        if config.max_model_len > cfg.max_position_embeddings:
+            log.warning("max_model_len %d is beyond %s's max_position_embeddings (%d): positions past %d are "
+                        "ones the model was not trained on", config.max_model_len, loaded.name,
+                        cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.cache = KVCache(cfg, config.max_num_seqs, config.max_model_len, loaded.dtype, config.device,
                              loaded.kv_dtype(config.device))
         self.runner = ModelRunner(loaded.model, self.cache)

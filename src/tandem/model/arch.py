@@ -39,6 +39,8 @@ class ModelConfig:
     attn_scale: float
     activation: str = "silu"  # "silu" or "gelu_tanh"
     qkv_bias: bool = False
+    o_bias: bool = False  # Llama's / Qwen3's attention_bias also biases o_proj (Qwen2's qkv bias does not)
+    mlp_bias: bool = False  # Llama's mlp_bias: gate, up and down projections
     qk_norm: bool = False
     norm_offset: float = 0.0  # Gemma RMSNorm multiplies by (1 + w)
     sandwich_norms: bool = False  # Gemma: extra norms after attention and after the MLP
@@ -98,6 +100,8 @@ def _llama_family(cfg: dict) -> ModelConfig:
         attn_scale=head_dim**-0.5,
         activation="silu",
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=model_type == "qwen3",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
@@ -135,6 +139,8 @@ def _gemma3(cfg: dict) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         attn_scale=cfg.get("query_pre_attn_scalar", head_dim) ** -0.5,
         activation="gelu_tanh",
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=True,
         norm_offset=1.0,
         sandwich_norms=True,

@@ -50,6 +50,7 @@ class GGUFSource:
         self.cfg = cfg
         self.dtype = dtype
         self.layer_names = {**_COMMON, **(_GEMMA_NORMS if cfg.model_type.startswith("gemma3") else _LLAMA_NORMS)}
+        self.read: set[str] = set()
 
     def gguf_name(self, hf_name: str) -> str:
         m = _LAYER.match(hf_name)
@@ -71,6 +72,7 @@ class GGUFSource:
         if name not in self.records:
             raise KeyError(f"{name} (for {hf_name}) missing from the GGUF file")
         record = self.records[name]
+        self.read.add(name)
         # llama.cpp permutes Q/K rows of llama-architecture models for its interleaved RoPE.
         if self.arch in ("llama", "mistral"):
             if hf_name.endswith("self_attn.q_proj.weight"):
@@ -78,6 +80,11 @@ class GGUFSource:
             elif hf_name.endswith("self_attn.k_proj.weight"):
                 record = unpermute_llama_qk(record, self.cfg.num_kv_heads)
         return record
+
+    def unread(self, cfg: ModelConfig) -> list[str]:
+        """The file's tensors that building the model did not read (llama.cpp's `rope_freqs`, the
+        Llama 3 scaling tandem computes from the config, aside)."""
+        return sorted(n for n in self.records if n not in self.read and n != "rope_freqs.weight")
 
     def tensor(self, name: str) -> torch.Tensor:
         values = self._record(name).dequantize().float()

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tandem.model.arch import ModelConfig, model_config_from_hf
+from tandem.model.arch import ModelConfig, UnsupportedArchitectureError, model_config_from_hf
 from tandem.model.catalogue import ModelNotFoundError, ModelSource, resolve_model
 from tandem.model.fused import fused_eligible
 from tandem.model.gguf_source import GGUFSource
@@ -128,15 +128,37 @@ def _damaged_hint(hf_dir: Path) -> str:
     return ""
 
 
+# Where a multimodal checkpoint (Gemma 3 4B and up) keeps its language model, by the transformers
+# version that saved it; tandem runs the language model and leaves the vision tower unread.
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                           "model.language_model.": "model."}
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors under the names a text-only checkpoint gives them."""
+    renamed = {}
+    for name, t in tensors.items():
+        for prefix, plain in LANGUAGE_MODEL_PREFIXES.items():
+            if name.startswith(prefix):
+                name = plain + name.removeprefix(prefix)
+                break
+        renamed[name] = t
+    return renamed
+
+
 class StateDictSource:
-    """WeightSource over float tensors with HF names; linears built dense, int8 or int4."""
+    """WeightSource over float tensors with HF names; linears built dense, int8 or int4. It
+    remembers which tensors the model read, so that weights the model would silently leave out
+    (a bias tandem's decoder does not apply) are refused, not ignored."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], linear_mode: str, dtype: torch.dtype,
                  kernels: str = "torch") -> None:
-        self.tensors = tensors
+        self.tensors = language_model_names(tensors)
         self.linear_mode = linear_mode
         self.dtype = dtype
         self.kernels = kernels
+        self.read: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -144,7 +166,15 @@ class StateDictSource:
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
             raise KeyError(f"weight {name!r} missing from the checkpoint")
+        self.read.add(name)
         return self.tensors[name].float()
+
+    def unread(self, cfg: ModelConfig) -> list[str]:
+        """The checkpoint's language-model tensors that building the model did not read."""
+        def expected_unread(name: str) -> bool:
+            return (name.startswith(VISION_PREFIXES) or "rotary_emb" in name
+                    or (name == "lm_head.weight" and cfg.tie_word_embeddings))  # tied: the embedding is the head
+        return sorted(n for n in self.tensors if n not in self.read and not expected_unread(n))
 
     def linear(self, names: list[str], bias: bool) -> nn.Module:
         weight = torch.cat([self.tensor(n) for n in names], dim=0)
@@ -154,8 +184,22 @@ class StateDictSource:
         return quantize_linear(weight, b, self.linear_mode, kernels=self.kernels)
 
 
+def checkpoint_files(hf_dir: Path) -> list[Path]:
+    """The model's weight files: those its shard index names, else `model.safetensors`, else every
+    `.safetensors` file (a directory may hold others: a tandem draft_model's head file)."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return sorted({hf_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, OSError, KeyError, TypeError, AttributeError) as err:
+            raise ModelNotFoundError(f"{index} cannot be read ({err!r}){_damaged_hint(hf_dir)}") from None
+    if (hf_dir / "model.safetensors").is_file():
+        return [hf_dir / "model.safetensors"]
+    return sorted(hf_dir.glob("*.safetensors"))
+
+
 def load_safetensors_dir(hf_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(hf_dir.glob("*.safetensors"))
+    files = checkpoint_files(hf_dir)
     if not files:
         raise ModelNotFoundError(f"no .safetensors weights in {hf_dir}")
     tensors: dict[str, torch.Tensor] = {}
@@ -261,6 +305,7 @@ def load_model(
             _ensure_gguf_float_weights(src)
         weights = StateDictSource(load_safetensors_dir(src.hf_dir), quant, torch_dtype, kernels)
     model = build_model(cfg, weights, torch_dtype, desc=f"loading {src.name}")
+    refuse_unread_weights(src.name, cfg, weights.unread(cfg))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(src.hf_dir))
     except (ValueError, OSError) as err:
@@ -277,6 +322,15 @@ def return_freed_memory() -> None:
     160 MB for SmolLM2) back to the OS: glibc keeps freed heap pages resident until trimmed."""
     gc.collect()
     trim_heap()
+
+
+def refuse_unread_weights(name: str, cfg: ModelConfig, unread: list[str]) -> None:
+    """A checkpoint whose weights the decoder did not all read would run as another model: say so."""
+    if unread:
+        more = f" and {len(unread) - 4} more" if len(unread) > 4 else ""
+        raise UnsupportedArchitectureError(
+            f"{name} holds weights tandem's {cfg.model_type} decoder does not apply ({', '.join(unread[:4])}{more}); "
+            "running without them would compute another model than the checkpoint's")
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, desc: str = "building model") -> TransformerLM:

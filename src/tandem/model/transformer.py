@@ -127,7 +127,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(src.tensor(p + "input_layernorm.weight"), eps, off, dtype)
         attn = p + "self_attn."
         self.qkv = src.linear([attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"], cfg.qkv_bias)
-        self.o = src.linear([attn + "o_proj.weight"], False)
+        self.o = src.linear([attn + "o_proj.weight"], cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(src.tensor(attn + "q_norm.weight"), eps, off, dtype)
             self.k_norm = RMSNorm(src.tensor(attn + "k_norm.weight"), eps, off, dtype)
@@ -138,8 +138,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp_norm = RMSNorm(src.tensor(p + "post_attention_layernorm.weight"), eps, off, dtype)
         mlp = p + "mlp."
-        self.gate_up = src.linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"], False)
-        self.down = src.linear([mlp + "down_proj.weight"], False)
+        self.gate_up = src.linear([mlp + "gate_proj.weight", mlp + "up_proj.weight"], cfg.mlp_bias)
+        self.down = src.linear([mlp + "down_proj.weight"], cfg.mlp_bias)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
