@@ -36,6 +36,7 @@ class ScriptedDrafter(Drafter):
             ref = SCRIPT["continuations"][tuple(inp.token_ids[: inp.num_prompt_tokens])]
             done = len(inp.token_ids) - inp.num_prompt_tokens
             k = min(self.spec.num_draft_tokens, inp.max_draft_tokens)
+            SCRIPT.setdefault("budgets", []).append((done, inp.max_draft_tokens))
             toks = list(ref[done : done + k])
             # keep drafting past the reference end (beyond EOS/max_tokens) to test trimming
             toks += [3] * (k - len(toks))
@@ -116,6 +117,11 @@ def test_seeds_reproduce_and_differ():
     c = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=30, seed=8, ignore_eos=True))[0]
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+    # without a seed every request draws its own: not the same tokens twice, nor within a batch
+    unseeded = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    d, e = llm.generate([PROMPTS[0], PROMPTS[0]], unseeded)
+    f = llm.generate(PROMPTS[0], unseeded)[0]
+    assert len({tuple(d.token_ids), tuple(e.token_ids), tuple(f.token_ids)}) == 3
 
 
 def test_stop_token_and_stop_string_and_max_tokens():
@@ -299,13 +305,27 @@ def test_stops_inside_an_accepted_run():
     llm = make_llm(spec=SpecConfig(algorithm="test_scripted", num_draft_tokens=8))
     plain = _install_script(llm, base_params, 0)
     for p, ref in zip(PROMPTS, plain):
+        SCRIPT["budgets"] = []
         out = llm.generate(p, SamplingParams(temperature=0, max_tokens=11, ignore_eos=True))[0]
         assert out.token_ids == ref.token_ids[:11] and out.finish_reason == "length"
+        # no round drafts past what max_tokens leaves (the bonus token is the round's own)
+        assert SCRIPT["budgets"] and all(k <= 11 - done - 1 for done, k in SCRIPT["budgets"])
         stop_tok = ref.token_ids[9]
         cut = ref.token_ids.index(stop_tok)
         out = llm.generate(p, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
         assert out.token_ids == ref.token_ids[: cut + 1]
         assert out.spec.num_committed_tokens == len(out.token_ids)
+
+
+def test_a_round_longer_than_max_tokens_leaves_is_cut_where_it_reaches_it(toy_tokenizer):
+    """Request.append itself keeps no token past max_tokens, whatever a round hands it."""
+    from tandem.engine.request import Request
+
+    req = Request("r", [5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), torch.Generator(),
+                  frozenset({2}))
+    assert req.append([7, 8, 9], toy_tokenizer) == 3 and req.finish_reason is None
+    assert req.append([10, 11, 12], toy_tokenizer) == 1
+    assert req.output_ids == [7, 8, 9, 10] and req.finish_reason == "length"
 
 
 def test_sampled_drafter_seeds_reproduce():
