@@ -214,7 +214,7 @@ def test_construction_errors(saved):
         make_llm("medusa", None)
     with pytest.raises(FileNotFoundError, match="no trained draft head"):
         make_llm("medusa", "/nonexistent/head")
-    with pytest.raises(ValueError, match="holds a eagle3 head"):
+    with pytest.raises(ValueError, match="holds an eagle3 head"):
         make_llm("medusa", saved("eagle3"))
 
 

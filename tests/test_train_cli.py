@@ -72,6 +72,21 @@ def test_train_cli_reports_bad_input(tiny_target, tmp_path, capsys):
     assert exit_.value.code == 2 and "--threads: must be >= 1" in capsys.readouterr().err
 
 
+def test_a_draft_model_that_cannot_export_is_refused_before_any_work(tmp_path, capsys):
+    """draft_model exports a llama model: for a Gemma 3 target (embedding scale, GeGLU, softcap)
+    that is known from its config, so the run stops before answering a prompt, not after training."""
+    from conftest import build_tiny
+
+    hf, _ = build_tiny("gemma3")
+    hf.save_pretrained(tmp_path / "gemma")
+    argv = ["train", "--target", str(tmp_path / "gemma"), "--method", "draft_model", "--out", str(tmp_path / "out"),
+            "--data-dir", str(tmp_path / "data"), "--num-prompts", "4", "--held-out", "2", "--steps", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "exports a llama-architecture model" in err and "dflash" in err
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("answers-*.jsonl"))
+
+
 def test_train_cli_transformers_backend_data_only_then_cached_answers(tiny_target, tmp_path, capsys):
     # Nothing answered yet and no time to answer: a clear error, not an empty training set.
     assert main(_argv(tiny_target, tmp_path, "--backend", "transformers", "--max-data-minutes", "0")) == 2

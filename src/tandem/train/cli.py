@@ -23,8 +23,9 @@ import torch
 from tandem.config import DEVICES, DTYPES, QUANTIZATIONS, SpecConfig
 from tandem.drafters.corpus import DEFAULT_CORPUS_TOKENS
 from tandem.drafters.heads.base import TargetParts, head_methods
+from tandem.drafters.heads.draft_model import llama_export_problem
 from tandem.drafters.heads.io import (TARGET_SHAPES, build_head, check_target_shapes, load_head, read_head_config,
-                                      save_head, shape_differences)
+                                      save_head, shape_differences, with_article)
 from tandem.flags import at_least
 from tandem.llm import LLM, configure_threads
 from tandem.model.catalogue import DEFAULT_MODEL
@@ -250,8 +251,8 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt:
         kept = (Path(args.out) / CHECKPOINT).exists()
         print(f"tandem train: {'terminated' if terminated else 'interrupted'}; "
-              + (f"{Path(args.out) / CHECKPOINT} keeps the last checkpoint: --resume continues from it" if kept
-                 else "no checkpoint was written yet"), file=sys.stderr)
+              + (f"{Path(args.out) / CHECKPOINT} keeps the last checkpoint{_checkpoint_step(args.out)}: --resume "
+                 "continues from it" if kept else "no checkpoint was written yet"), file=sys.stderr)
         return 143 if terminated else 130
     finally:
         if main_thread:
@@ -271,6 +272,7 @@ def cmd_train(args) -> int:
             "distillation": asdict(dcfg),
             "hidden_layers": list(layers),
             "capture": capture_setting,
+            "chat_template": getattr(loaded.tokenizer, "chat_template", None) is not None,  # applied to the prompts
         },
         "training": {**asdict(cfg), "init_from": args.init_from, "max_prompt_context": args.max_prompt_context or None,
                      "steps_done": result.step, "finished": result.finished, "train_seconds": round(result.seconds, 1),
@@ -326,6 +328,10 @@ def _check_train_args(args, options: dict) -> str:
         raise FileNotFoundError(f"--resume: no checkpoint at {Path(args.out) / CHECKPOINT}; start without --resume")
     if args.resume:
         _check_resumable(args)
+    if args.method == "draft_model":  # its export needs a llama-like target: known before any answering
+        problem = llama_export_problem(model_config(args.target))
+        if problem:
+            raise ValueError(problem)
     if args.method == "suffix" and (args.init_from or args.resume or args.capture_in_memory):
         raise ValueError("--method suffix writes a corpus of answers: there is no head to --init-from, --resume "
                          "or capture for")
@@ -336,7 +342,7 @@ def _check_train_args(args, options: dict) -> str:
     if args.init_from:
         record = read_head_config(args.init_from)  # also: a clear error when there is no head
         if record["method"] != args.method:
-            raise ValueError(f"--init-from {args.init_from} holds a {record['method']} head, not {args.method}")
+            raise ValueError(f"--init-from {args.init_from} holds {with_article(record['method'])} head, not {args.method}")
         # before any answering: a head for another target is refused from the target's config
         check_target_shapes(record, model_config(args.target), args.target, args.init_from)
         if options:
@@ -355,6 +361,14 @@ def _check_train_args(args, options: dict) -> str:
     return backend
 
 
+def _checkpoint_step(out: str) -> str:
+    """' (step N)' from the checkpoint's info file, '' where it cannot be read."""
+    try:
+        return f" (step {int(json.loads((Path(out) / CHECKPOINT_INFO).read_text())['step'])})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def _check_resumable(args) -> None:
     """Before any answering: a checkpoint of another method or for another target (from the
     target's config alone) cannot be resumed. The checkpoint itself is checked again on loading
@@ -366,7 +380,7 @@ def _check_resumable(args) -> None:
     except (OSError, ValueError, KeyError, TypeError):  # none (a run from before it) or damaged: _resume checks
         return
     if method != args.method:
-        raise ValueError(f"--resume: {args.out} holds a {method} run, not {args.method}; resume it with "
+        raise ValueError(f"--resume: {args.out} holds {with_article(method)} run, not {args.method}; resume it with "
                          f"--method {method}, or train into another --out")
     diffs = shape_differences(want, model_config(args.target))
     if diffs:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tandem.drafters.heads.base import DraftHead, TargetParts
-from tandem.drafters.heads.io import shape_differences, target_record
+from tandem.drafters.heads.io import shape_differences, target_record, with_article
 from tandem.model.kernels import cpu_flags
 from tandem.progress import progress
 from tandem.train.capture import CapturedData
@@ -346,13 +346,15 @@ def _resume(ckpt_path: Path, head: DraftHead, target: TargetParts, optim, sched,
                     target.model_name)
     if ckpt["method"] != head.method or ckpt["head_config"] != head.config_dict():
         raise ValueError(
-            f"{ckpt_path} holds a {ckpt['method']} head {ckpt['head_config']}, not {head.method} "
+            f"{ckpt_path} holds {with_article(ckpt['method'])} head {ckpt['head_config']}, not {head.method} "
             f"{head.config_dict()}; use the same method options or another --out"
         )
     head.load_state_dict(ckpt["head"])
     optim.load_state_dict(ckpt["optim"])
     sched.load_state_dict(ckpt["sched"])
     _set_rng_state(ckpt["rng"])
+    log.info("resuming %s from step %d of %s (%.1f min trained)", head.method, ckpt["step"], ckpt_path,
+             ckpt["seconds"] / 60)
     return ckpt["step"], ckpt["seconds"], ckpt["history"]
 
 

@@ -47,6 +47,17 @@ def spaced_layers(num_target_layers: int, n: int) -> tuple[int, ...]:
     return tuple(round(i * (num_target_layers - 1) / (n - 1)) for i in range(n))
 
 
+
+def llama_export_problem(cfg) -> str | None:
+    """Why a draft model for a target of this ModelConfig cannot be exported as the llama model
+    the draft_model drafter loads (None: it can). Known from the target's config alone, so `tandem
+    train` refuses before any answering."""
+    if cfg.activation != "silu" or cfg.embed_scale is not None or cfg.final_logit_softcap:
+        return (f"draft_model exports a llama-architecture model; the {cfg.model_type} target's embedding scale, "
+                "activation or logit softcap has no llama equivalent (train eagle, eagle3, medusa, mtp, dflash or "
+                "dspark for it instead)")
+    return None
+
 @register_head("draft_model")
 class DraftModelHead(DraftHead):
     def __init__(self, cfg: ModelConfig, num_layers: int = 2, init_layers: Sequence[int] | None = None,
@@ -156,11 +167,9 @@ class DraftModelHead(DraftHead):
 
     def _check_exportable(self, tokenizer):
         cfg = self.cfg
-        if cfg.activation != "silu" or cfg.embed_scale is not None or cfg.final_logit_softcap:
-            raise ValueError(
-                f"draft_model exports a llama-architecture model; the {cfg.model_type} target's embedding scale, "
-                "activation or logit softcap has no llama equivalent (train medusa/eagle3/mtp for it instead)"
-            )
+        problem = llama_export_problem(cfg)
+        if problem:
+            raise ValueError(problem)
         if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
             raise ValueError(
                 "draft_model export needs the target's tokenizer (save_head(..., tokenizer=loaded.tokenizer)): "

@@ -14,7 +14,7 @@ import torch
 from tandem.config import SpecConfig
 from tandem.drafters import registry
 from tandem.drafters.base import Drafter, DrafterNeeds, DraftInput, TargetInfo
-from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir
+from tandem.drafters.heads.io import load_head, read_head_config, shipped_head_dir, with_article
 from tandem.model.block_linear import BLOCK, BlockQ8Linear
 from tandem.model.kernels import block_kernels
 from tandem.sampling import NonFiniteLogitsError, finite_rows, row_argmax, sample_processed
@@ -74,7 +74,7 @@ class HeadDrafter(Drafter):
         path = head_path(spec, target.parts.model_name, name)
         method = read_head_config(path)["method"]
         if method != name:
-            raise ValueError(f"{path} holds a {method} head; serve it with --speculative-algorithm {method}")
+            raise ValueError(f"{path} holds {with_article(method)} head; serve it with --speculative-algorithm {method}")
         self.parts = target.parts
         self.head = serving_kernels(load_head(path, target.parts, target.device).requires_grad_(False))
         self.needs = DrafterNeeds(tuple(self.head.serving_layers))
