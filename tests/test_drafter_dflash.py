@@ -312,6 +312,22 @@ def test_the_scheduler_hears_which_drafts_the_lookup_makes_before_drafting(saved
     assert any(d.token_ids for _, d in proposed)
 
 
+def test_confidences_are_fixed_before_the_block_is_drawn(saved_dflash):
+    """DFlash's positions are independent given the context, so a position's confidence (what
+    the confidence scheduler cuts on) must be the same whatever token each seed drew there: a
+    confidence that read the drawn token (q_j(x_j)) would bias the output (algorithms.md)."""
+    llm = make_llm("dflash", saved_dflash, k=3, lookup=False)
+    ctx = PROMPTS[0]
+    hidden = prefill_hidden(llm, ctx)
+    params = SamplingParams(temperature=1.0)
+    drafts = llm.engine.drafter.propose([DraftInput(f"r{i}", ctx, len(ctx), 3, params,
+                                                    torch.Generator().manual_seed(i), hidden) for i in range(64)])
+    for j in range(3):
+        drawn = {d.token_ids[j] for d in drafts if len(d) > j}
+        assert len(drawn) > 1  # the seeds drew different tokens at position j
+        assert len({d.confidence[j] for d in drafts if len(d) > j}) == 1
+
+
 def test_a_round_the_drafter_missed_restarts_its_caches(saved_dflash):
     llm = make_llm("dflash", saved_dflash, k=3, lookup=False)
     drafter = llm.engine.drafter

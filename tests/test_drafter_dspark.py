@@ -107,6 +107,13 @@ def test_a_sampled_tokens_q_and_confidence_are_fixed_before_it_is_drawn(saved_ds
             torch.testing.assert_close(q, group[0][1])
             assert c == group[0][2]
         assert all(float(q[t]) > 0 for t, q, _ in group)
+    # top_k 3: q_j is position j's own processed law, which holds the token drawn there (a q of
+    # the position before, equal within a group too, would not always)
+    narrow = SamplingParams(temperature=1.0, top_k=3)
+    for d in drafter.propose([DraftInput(f"n{i}", ctx, len(ctx), 3, narrow, torch.Generator().manual_seed(i), hidden)
+                              for i in range(64)]):
+        for j, token in enumerate(d.token_ids):
+            assert int((d.probs[j] > 0).sum()) <= 3 and float(d.probs[j][token]) > 0, (j, token)
 
 
 def test_a_block_longer_than_the_trained_one_is_refused(saved_dspark):

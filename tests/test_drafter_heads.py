@@ -15,6 +15,7 @@ from heads_fixtures import hf_tokenizer, make_batch, parts, sharp_target, train
 
 from tandem.audit import Auditor, audit_rounds
 from tandem.config import EngineConfig, SamplingParams, SpecConfig
+from tandem.drafters import DraftInput
 from tandem.drafters.heads.base import TargetParts
 from tandem.drafters.heads.io import build_head, load_head, save_head
 from tandem.llm import LLM
@@ -178,6 +179,28 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(variant, saved):
     batched = [o.token_ids for o in llm.generate(PROMPTS, params)]
     single = [make_llm(variant, saved(variant)).generate(p, params)[0].token_ids for p in PROMPTS]
     assert batched == single
+
+
+@pytest.mark.parametrize("variant", list(METHODS))
+def test_a_sampled_drafts_q_is_the_processed_law_it_was_drawn_from(variant, saved):
+    """Under temperature 0.7 and top_k 3, each draft token's reported q_j is its position's
+    processed distribution: at most 3 tokens carry mass, it sums to 1, and x_j is one of them. A q
+    taken before the processors (or from another position) grades the draft against another law,
+    and the sampled audit's near one-hot target cannot see it."""
+    llm = make_llm(variant, saved(variant), k=3, lookup=False)
+    drafter = llm.engine.drafter
+    ctx = PROMPTS[0]
+    hidden = prefill_hidden(llm, ctx)
+    params = SamplingParams(temperature=0.7, top_k=3)
+    drafts = drafter.propose([DraftInput(f"r{i}", ctx, len(ctx), 3, params, torch.Generator().manual_seed(i), hidden)
+                              for i in range(32)])
+    checked = 0
+    for d in drafts:
+        for j, token in enumerate(d.token_ids):
+            q = d.probs[j].float()
+            assert int((q > 0).sum()) <= 3 and abs(float(q.sum()) - 1) < 1e-4 and float(q[token]) > 0, (j, token)
+            checked += 1
+    assert checked >= 32
 
 
 @pytest.mark.parametrize("variant", list(METHODS))
@@ -437,8 +460,6 @@ def test_real_target_greedy_identity(variant, tmp_path):
 def test_a_round_the_drafter_missed_restarts_its_cache(variant, saved):
     """If the engine skipped the drafter for a round (a zero draft budget), that round's hidden
     rows never reach it: the next call restarts from the rows it gets instead of misplacing them."""
-    from tandem.drafters import DraftInput
-
     llm = make_llm(variant, saved(variant), k=3)
     drafter = llm.engine.drafter
     ctx = PROMPTS[0] + [11, 12, 13, 14, 15, 16]
