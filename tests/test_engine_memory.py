@@ -258,6 +258,35 @@ def test_kept_rows_are_evicted_least_recently_used_first(fused):
     assert engine.admission.prefix_cache.hit_tokens == len(p1)
 
 
+def test_a_hit_makes_its_row_the_most_recently_used(fused):
+    """With rows to spare, a hit on the oldest kept row moves it to the back: the next eviction
+    takes the row nobody asked for since (p2), not the one just reused (p1)."""
+    engine = Engine(fused, EngineConfig(max_model_len=64, max_num_seqs=3))
+    p1, p2, p3 = [3, 4, 5, 6] * 3, [7, 8, 9, 10] * 3, [11, 12, 13] * 4
+    rows = engine.admission.prefix_cache._rows
+    served(engine, p1, rid="1")
+    (p1_row,) = rows.values()
+    served(engine, p2, rid="2")
+    served(engine, p1 + [20], rid="1b")  # a free row: copies p1's prefix, p1's row stays kept
+    assert len(rows) == 3 and engine.admission.prefix_cache.hit_tokens == len(p1)
+    served(engine, p3, rid="3")
+    assert rows.get(p1_row.seq) is p1_row
+    assert all(r.tokens[:12] != p2 for r in rows.values())
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=12)])
+def test_the_same_prompt_again_hits_all_but_its_last_token(fused, params):
+    """A retried request (the same prompt, once more): its whole prompt is kept, but the last
+    token must still run to give the first output token's logits, so the hit stops one short."""
+    prompt = [(7 * i + 3) % 90 + 3 for i in range(17)]
+    engine = Engine(fused, EngineConfig(max_model_len=128, max_num_seqs=2))
+    first = served(engine, prompt, params, "a")
+    again = served(engine, prompt, params, "b")
+    assert again.finish_reason == first.finish_reason != "error"
+    assert again.output_ids == first.output_ids
+    assert engine.admission.prefix_cache.hit_tokens == len(prompt) - 1
+
+
 def test_a_full_engine_takes_the_matching_row_over(fused):
     engine = Engine(fused, EngineConfig(max_model_len=64, max_num_seqs=1))
     a = served(engine, LONG_PROMPT[:20], rid="a")

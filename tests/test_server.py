@@ -341,6 +341,42 @@ def test_n_choices_with_seeds(plain_server):
     assert [texts[i] for i in range(3)] == [ch.text for ch in a.choices]
 
 
+def _stop_in_first_only(a: str, b: str) -> str:
+    """A piece of text a holds and b does not (texts here are runs of '<id>' pieces)."""
+    pieces = [f"<{p}" for p in a.split("<") if p]
+    return next(p for p in pieces[1:] if p not in b)
+
+
+def test_each_choice_gets_its_own_prompts_answer_and_finish(plain_server):
+    """Two prompts x n = 2: choice i answers prompt i // n, with its own text and its own finish
+    reason (a stop string only one prompt's answer reaches), streamed or not, on completions and chat."""
+    server, _ = plain_server
+    c = client(server)
+    greedy = dict(model=NAME, max_tokens=12, temperature=0)
+    single = [c.completions.create(prompt=p, **greedy).choices[0].text for p in PROMPTS[:2]]
+    stop = _stop_in_first_only(single[0], single[1])
+    want_text = [single[0][: single[0].index(stop)], single[1]]
+    for stream in (False, True):
+        r = c.completions.create(prompt=PROMPTS[:2], n=2, stop=[stop], stream=stream, **greedy)
+        if stream:
+            chunks = [ch.choices[0] for ch in r if ch.choices]
+            got = {i: ("".join(ch.text for ch in chunks if ch.index == i),
+                       next(ch.finish_reason for ch in chunks if ch.index == i and ch.finish_reason)) for i in range(4)}
+        else:
+            got = {ch.index: (ch.text, ch.finish_reason) for ch in r.choices}
+        assert [got[i] for i in range(4)] == [(want_text[0], "stop")] * 2 + [(want_text[1], "length")] * 2, stream
+    # chat: one prompt, n = 2 seeded choices that differ; a stop string only the first one reaches
+    kw = dict(model=NAME, messages=[{"role": "user", "content": text_of(PROMPTS[0])}], max_tokens=16,
+              temperature=1.0, n=2, seed=7)
+    free = c.chat.completions.create(**kw)
+    texts = [ch.message.content for ch in sorted(free.choices, key=lambda ch: ch.index)]
+    assert texts[0] != texts[1] and free.choices[1].finish_reason == "length"
+    stop = _stop_in_first_only(texts[0], texts[1])
+    cut = c.chat.completions.create(**kw, stop=[stop])
+    got = [(ch.message.content, ch.finish_reason) for ch in sorted(cut.choices, key=lambda ch: ch.index)]
+    assert got == [(texts[0][: texts[0].index(stop)], "stop"), (texts[1], "length")]
+
+
 def test_null_sampling_fields_mean_their_defaults(spec_server):
     """OpenAI's fields are nullable (the playground sends null for a cleared box): null temperature,
     top_p, top_k, n ... are the defaults, not a 400."""
