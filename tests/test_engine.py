@@ -284,6 +284,17 @@ def test_min_tokens_under_speculation(algorithm, tree, temperature):
         assert sum(o.spec.num_accepted_tokens for o in out) > 0
 
 
+def test_logit_bias_holds_while_min_tokens_bans_the_stop_tokens():
+    """The logit bias is added to the rows the min_tokens ban shifts too, not only to unbanned ones."""
+    _, stop, m = _min_tokens_case()
+    favoured = next(t for t in range(3, 97) if t != stop)
+    for spec in (None, SpecConfig(algorithm="ngram", num_draft_tokens=4)):
+        out = make_llm(spec=spec).generate(PROMPTS[0], SamplingParams(
+            temperature=0, max_tokens=m + 3, min_tokens=m, stop_token_ids=(stop,), logit_bias={favoured: 100.0},
+            ignore_eos=True))[0]
+        assert out.token_ids == [favoured] * (m + 3)
+
+
 def test_min_tokens_is_checked():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)

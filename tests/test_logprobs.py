@@ -216,6 +216,17 @@ def test_prompt_logprobs_are_the_targets_log_softmax_over_the_prompt():
         assert out.logprobs is None
 
 
+def test_the_first_tokens_logprob_is_the_same_with_prompt_logprobs_asked():
+    """With prompt_logprobs the prompt's last forward returns every row; the first output token's
+    entry must still come from the last one, as without them."""
+    _, loaded = tiny_loaded("llama")
+    llm = LLM.from_loaded(loaded, EngineConfig(max_model_len=128))
+    for prompt in PROMPTS:
+        plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
+        both = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1))[0]
+        assert both.token_ids == plain.token_ids and both.logprobs == plain.logprobs
+
+
 def test_prompt_logprobs_skip_the_prefix_cache_and_come_in_pieces_bit_for_bit(block_variant):
     """On the fused path a long prompt's logprobs come 128 rows per forward, the same floats as
     one forward over the whole prompt; a prompt the prefix cache holds is still computed."""
