@@ -284,6 +284,22 @@ def test_min_tokens_under_speculation(algorithm, tree, temperature):
         assert sum(o.spec.num_accepted_tokens for o in out) > 0
 
 
+@pytest.mark.parametrize("algorithm, tree", [("test_scripted", False), ("test_scripted_tree", True)])
+def test_a_stop_token_right_at_min_tokens_ends_the_answer_under_speculation(algorithm, tree):
+    """min_tokens = the index where greedy decoding draws the stop token: the first position it
+    may come at. Whichever draft row (a chain position, a tree depth) draws that position must not
+    ban it; rounds of several alignments put it at several depths."""
+    base, stop, _ = _min_tokens_case()
+    m = base.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, stop_token_ids=(stop,), min_tokens=m)
+    spec = SpecConfig(algorithm=algorithm, num_draft_tokens=10 if tree else 4, eagle_topk=2 if tree else 1, num_steps=4)
+    for wrong_every in (0, 2, 3, 5):
+        llm = make_llm(spec=spec)
+        plain = _install_script(llm, params, wrong_every)
+        assert plain[0].token_ids == base[: m + 1] and plain[0].finish_reason == "stop"
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in plain], wrong_every
+
+
 def test_logit_bias_holds_while_min_tokens_bans_the_stop_tokens():
     """The logit bias is added to the rows the min_tokens ban shifts too, not only to unbanned ones."""
     _, stop, m = _min_tokens_case()
