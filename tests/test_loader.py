@@ -57,16 +57,15 @@ def test_unsupported_architecture_in_directory(tmp_path):
 
 def test_hf_directory_round_trip(tmp_path):
     """A local HF directory (config + safetensors + tokenizer) loads and matches transformers."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     hf, _ = build_tiny("qwen2")
-    hf.save_pretrained(tmp_path)
-    vocab = {f"t{i}": i for i in range(97)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), eos_token="t2")
-    tok.save_pretrained(tmp_path)
+    _tiny_dir(tmp_path, hf)
     loaded = load_model(str(tmp_path), quantization="none", dtype="float32")
     assert loaded.quantization == "none" and loaded.dtype == torch.float32
+    _assert_logits_match(loaded, hf)
+
+
+def _assert_logits_match(loaded, hf) -> None:
+    """A loaded model's logits over a few tokens against the transformers model it came from."""
     from tandem.model.kv_cache import KVCache
     from tandem.model.runner import ModelRunner, SeqInput
 
@@ -116,16 +115,7 @@ def test_a_multimodal_checkpoint_runs_its_language_model(tmp_path):
     state["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
     weights.unlink()
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    loaded = load_model(str(tmp_path), quantization="none", dtype="float32")
-    from tandem.model.kv_cache import KVCache
-    from tandem.model.runner import ModelRunner, SeqInput
-
-    runner = ModelRunner(loaded.model, KVCache(loaded.config, 1, 32, torch.float32))
-    ids = [5, 9, 14, 3, 77]
-    out = runner.forward([SeqInput(runner.cache.allocate(), ids, logits="all")])
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(out.logits, ref, atol=2e-4, rtol=1e-4)
+    _assert_logits_match(load_model(str(tmp_path), quantization="none", dtype="float32"), hf)
 
 
 def test_native_quantization_needs_gguf(tmp_path):
