@@ -30,6 +30,17 @@ def test_prefill_logits_match_transformers(arch):
     torch.testing.assert_close(out.logits, hf_logits(hf, ids), **TOL)
 
 
+def test_gemmas_final_logit_softcap_matches_transformers():
+    """The tiny Gemma config sets no softcap; with one (Gemma 2 style, 30 in real configs; 5 here so
+    that it bites) the logits are cap * tanh(logits / cap), as transformers computes them."""
+    hf, ours = build_tiny("gemma3", final_logit_softcapping=5.0)
+    assert ours.cfg.final_logit_softcap == 5.0
+    ids = torch.randint(3, 97, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    runner = runner_for(ours)
+    out = runner.forward([SeqInput(runner.cache.allocate(), ids, logits="all")])
+    torch.testing.assert_close(out.logits, hf_logits(hf, ids), **TOL)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_incremental_decode_matches_full_forward(arch):
     """Chunked prefill + one-token steps through the cache equal one full forward (sliding

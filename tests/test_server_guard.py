@@ -101,6 +101,10 @@ def test_api_key_is_required_on_every_route_but_health_and_the_page(keyed_server
         assert r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+    # only the whole key: not a prefix of it, not it with more, not an empty token
+    for token in (KEY[:-1], KEY[:1], KEY + "x", ""):
+        header = f"Bearer {token}".strip()  # httpx sends no trailing space: "Bearer" alone
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": header}).status_code == 401, token
 
 
 def test_a_20_mb_request_is_refused_unread_and_the_next_one_is_served(open_server):
@@ -288,6 +292,39 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(open_server):
     r = httpx.post(f"{open_server.url}/completions", json={"prompt": "1 " * 200})
     assert r.status_code == 400 and "at least" not in r.json()["error"]["message"]
     assert VocabTokenizer.encode_calls == before + 1
+
+
+def test_the_context_is_filled_to_its_last_token_and_not_one_past(open_server):
+    """prompt + max_tokens may fill max_model_len exactly; one more is a 400, and so is a prompt
+    that fills it alone. Without max_tokens a request gets the whole rest of the context."""
+    url = f"{open_server.url}/completions"
+
+    def ask(prompt_len: int, **fields):
+        return httpx.post(url, json={"prompt": "5 " * prompt_len, "temperature": 0, "ignore_eos": True, **fields},
+                          timeout=60)
+
+    r = ask(MAX_LEN - 8, max_tokens=8)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    r = ask(MAX_LEN - 8, max_tokens=9)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = ask(MAX_LEN - 8)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert ask(MAX_LEN - 40).json()["usage"]["completion_tokens"] == 40  # not some fixed default
+    assert ask(MAX_LEN - 1).json()["usage"]["completion_tokens"] == 1
+    r = ask(MAX_LEN)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_stop_counts_strings_not_characters(open_server):
+    """One long stop string is one stop string; more than MAX_STOP of them is a 400 naming stop."""
+    from tandem.server.protocol import MAX_STOP
+
+    url = f"{open_server.url}/completions"
+    r = httpx.post(url, json={"prompt": "5 6", "max_tokens": 2, "stop": "x" * (MAX_STOP + 12)}, timeout=60)
+    assert r.status_code == 200
+    r = httpx.post(url, json={"prompt": "5 6", "max_tokens": 2, "stop": ["x"] * (MAX_STOP + 1)}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
 
 
 def test_tokenizing_does_not_hold_up_other_requests(open_server):
