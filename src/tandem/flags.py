@@ -34,7 +34,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=[*KV_CACHE_DTYPES, *KV_CACHE_ALIASES],
                    help="what the KV cache stores (auto: fp16 where tandem's fused CPU kernels run the model, "
                         "else fp32 on CPU)")
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch and kernel threads (default: all cores; tandem serve: all but one)")
+    p.add_argument("--threads", type=at_least(1), default=None,
+                   help="torch and kernel threads (default: all cores; tandem serve: all but one)")
 
 
 def add_spec_args(p: argparse.ArgumentParser,

@@ -335,14 +335,13 @@ def _check_train_args(args, options: dict) -> str:
     if args.method == "suffix" and (args.init_from or args.resume or args.capture_in_memory):
         raise ValueError("--method suffix writes a corpus of answers: there is no head to --init-from, --resume "
                          "or capture for")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1 (or left out for all cores), got {args.threads}")
     if args.corpus_tokens < 1:
         raise ValueError(f"--corpus-tokens must be >= 1, got {args.corpus_tokens}")
     if args.init_from:
         record = read_head_config(args.init_from)  # also: a clear error when there is no head
         if record["method"] != args.method:
-            raise ValueError(f"--init-from {args.init_from} holds {with_article(record['method'])} head, not {args.method}")
+            raise ValueError(f"--init-from {args.init_from} holds {with_article(record['method'])} head, "
+                             f"not {args.method}")
         # before any answering: a head for another target is refused from the target's config
         check_target_shapes(record, model_config(args.target), args.target, args.init_from)
         if options:
@@ -361,23 +360,29 @@ def _check_train_args(args, options: dict) -> str:
     return backend
 
 
+def _checkpoint_info(out: str) -> dict | None:
+    """--out's checkpoint.json (method, target, step), None where there is none or it is damaged."""
+    try:
+        info = json.loads((Path(out) / CHECKPOINT_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def _checkpoint_step(out: str) -> str:
     """' (step N)' from the checkpoint's info file, '' where it cannot be read."""
-    try:
-        return f" (step {int(json.loads((Path(out) / CHECKPOINT_INFO).read_text())['step'])})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+    step = (_checkpoint_info(out) or {}).get("step")
+    return f" (step {step})" if isinstance(step, int) else ""
 
 
 def _check_resumable(args) -> None:
     """Before any answering: a checkpoint of another method or for another target (from the
     target's config alone) cannot be resumed. The checkpoint itself is checked again on loading
     (trainer._resume), also for head options."""
-    info_path = Path(args.out) / CHECKPOINT_INFO
     try:
-        info = json.loads(info_path.read_text())
+        info = _checkpoint_info(args.out)
         method, want = info["method"], {k: info["target"][k] for k in ("model_name", *TARGET_SHAPES)}
-    except (OSError, ValueError, KeyError, TypeError):  # none (a run from before it) or damaged: _resume checks
+    except (KeyError, TypeError):  # none (a run from before it) or damaged: _resume checks
         return
     if method != args.method:
         raise ValueError(f"--resume: {args.out} holds {with_article(method)} run, not {args.method}; resume it with "

@@ -369,7 +369,8 @@ def _damaged(ckpt_path: Path, why: str | None) -> ValueError:
 def _checkpoint_state(head: DraftHead, target: TargetParts, optim, sched, cfg: TrainConfig, step: int,
                       seconds: float, history: list[dict]) -> dict:
     return {
-        "method": head.method, "head_config": head.config_dict(), "target": target_record(target.config, target.model_name),
+        "method": head.method, "head_config": head.config_dict(),
+        "target": target_record(target.config, target.model_name),
         "head": head.state_dict(),
         "optim": optim.state_dict(), "sched": sched.state_dict(), "step": step,
         "seconds": seconds, "history": history, "rng": _rng_state(),

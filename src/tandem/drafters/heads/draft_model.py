@@ -47,8 +47,7 @@ def spaced_layers(num_target_layers: int, n: int) -> tuple[int, ...]:
     return tuple(round(i * (num_target_layers - 1) / (n - 1)) for i in range(n))
 
 
-
-def llama_export_problem(cfg) -> str | None:
+def llama_export_problem(cfg: ModelConfig) -> str | None:
     """Why a draft model for a target of this ModelConfig cannot be exported as the llama model
     the draft_model drafter loads (None: it can). Known from the target's config alone, so `tandem
     train` refuses before any answering."""
@@ -57,6 +56,7 @@ def llama_export_problem(cfg) -> str | None:
                 "activation or logit softcap has no llama equivalent (train eagle, eagle3, medusa, mtp, dflash or "
                 "dspark for it instead)")
     return None
+
 
 @register_head("draft_model")
 class DraftModelHead(DraftHead):

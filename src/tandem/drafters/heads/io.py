@@ -32,10 +32,10 @@ SIGNATURE_KEY = "__target_signature__"
 SIGNATURE_MIN_COSINE = 0.98
 
 
-
 def with_article(method: str) -> str:
     """A method's name with its article, as a message reads it: 'an eagle3 head', 'a medusa head'."""
     return ("an " if method[:1] in "aeiou" else "a ") + method
+
 
 def shipped_head_dir(model_name: str, method: str) -> Path | None:
     """The head tandem ships for a built-in model and method (drafters/shipped/<model>/<method>),
@@ -184,7 +184,8 @@ def load_head(path: str | Path, target: TargetParts, device: str | torch.device 
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(
-            f"{directory / WEIGHTS_FILE} does not match {with_article(record['method'])} head of config {record['config']}: "
+            f"{directory / WEIGHTS_FILE} does not match {with_article(record['method'])} head of config "
+            f"{record['config']}: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     _attach_target(head, target, signature)
@@ -211,8 +212,8 @@ def materialize_draft_model(head_dir: str | Path, target) -> Path:
     """
     record = read_head_config(head_dir)
     if record["method"] != "draft_model":
-        raise ValueError(f"{head_dir} holds {with_article(record['method'])} head; the draft_model drafter serves draft_model "
-                         f"heads or model directories (use --speculative-algorithm {record['method']})")
+        raise ValueError(f"{head_dir} holds {with_article(record['method'])} head; the draft_model drafter serves "
+                         f"draft_model heads or model directories (use --speculative-algorithm {record['method']})")
     digest = hashlib.sha256(Path(head_dir, WEIGHTS_FILE).read_bytes()).hexdigest()[:16]
     out = cache_root() / "drafters" / f"{target.model_name or 'target'}-draft_model-{digest}"
     if (out / "config.json").is_file():

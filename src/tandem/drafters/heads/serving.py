@@ -74,7 +74,8 @@ class HeadDrafter(Drafter):
         path = head_path(spec, target.parts.model_name, name)
         method = read_head_config(path)["method"]
         if method != name:
-            raise ValueError(f"{path} holds {with_article(method)} head; serve it with --speculative-algorithm {method}")
+            raise ValueError(f"{path} holds {with_article(method)} head; serve it with "
+                             f"--speculative-algorithm {method}")
         self.parts = target.parts
         self.head = serving_kernels(load_head(path, target.parts, target.device).requires_grad_(False))
         self.needs = DrafterNeeds(tuple(self.head.serving_layers))
